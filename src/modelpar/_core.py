@@ -1,0 +1,170 @@
+"""What every front end of the strategy shares: configuration, mesh, module set-up, sync and clipping.
+
+The Fabric adapter (``modelpar.fabric``), the Trainer adapter and standalone ``torchrun`` use all hold one
+``ParallelCore`` and forward to it, so behaviour cannot drift between them. The core knows nothing of
+Fabric or the Trainer: it is given devices, a cluster environment and a precision, and does the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from lightning_fabric.plugins import Precision
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.utilities import rank_zero_warn
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from modelpar._clip import clip_grad_norm, clip_grad_value
+from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
+from modelpar._grad_sync import GradientSyncControl
+from modelpar._materialize import materialize_module
+from modelpar._mesh import MeshLayout, SizeArg, check_size_arg
+from modelpar.legacy import reject_fsdp1_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelCore", "ParallelizeFn"]
+
+TModel = TypeVar("TModel", bound=nn.Module)
+ParallelizeFn = Callable[[Any, "DeviceMesh"], Any]
+
+
+class ParallelCore:
+    """Configuration and state of one 2-D parallel run, independent of the front end driving it."""
+
+    def __init__(
+        self,
+        *,
+        strategy_name: str,
+        parallelize_fn: ParallelizeFn | None,
+        data_parallel_size: SizeArg,
+        tensor_parallel_size: SizeArg,
+        save_distributed_checkpoint: bool,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
+        # Validate at construction: it runs identically on every rank and long before any collective.
+        check_size_arg("data_parallel_size", data_parallel_size)
+        check_size_arg("tensor_parallel_size", tensor_parallel_size)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(
+                f"`parallelize_fn` must be a callable `(model, device_mesh) -> model`, but got"
+                f" {type(parallelize_fn).__name__}."
+            )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"`timeout` must be a `datetime.timedelta`, but got {timeout!r}.")
+        self.strategy_name = strategy_name
+        self.parallelize_fn = parallelize_fn
+        self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+        self.layout: MeshLayout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self.grad_sync = GradientSyncControl()
+
+    # -- environment ---------------------------------------------------------------------------------
+    def setup_distributed(
+        self,
+        cluster_environment: ClusterEnvironment,
+        root_device: torch.device,
+        *,
+        num_nodes: int,
+        devices_per_node: int,
+    ) -> DeviceMesh:
+        """Resolve and validate the layout, then create the process group and the mesh.
+
+        The layout is resolved from values every rank knows before any communication, so a bad size
+        raises the same ``ValueError`` on every rank instead of hanging some of them in a collective.
+        """
+        self.layout = MeshLayout.resolve(
+            self.data_parallel_size,
+            self.tensor_parallel_size,
+            world_size=cluster_environment.world_size(),
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+        )
+        backend = self.process_group_backend or default_backend(root_device)
+        self.process_group_backend = backend
+        init_process_group(cluster_environment, backend, self.timeout, root_device)
+        self._device_mesh = self.layout.build(root_device.type)
+        return self._device_mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"`{self.strategy_name}.device_mesh` was read before the mesh exists. It is created in"
+                " `setup_environment()`: after `fabric.launch()` with Fabric, when `trainer.fit` starts with"
+                " the Trainer, or by calling `strategy.setup_environment()` yourself under torchrun."
+            )
+        return self._device_mesh
+
+    def sampler_kwargs(self) -> dict[str, Any]:
+        """Tensor-parallel peers must see identical batches, so the sampler splits by data-parallel rank only."""
+        dp_mesh = self.device_mesh["data_parallel"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def resolve_group(self, group: Any) -> Any:
+        """Accept a mesh axis name (``"data_parallel"``/``"tensor_parallel"``) wherever a group is expected."""
+        if isinstance(group, str):
+            names = self.device_mesh.mesh_dim_names or ()
+            if group not in names:
+                raise ValueError(f"`group={group!r}` is not a mesh axis. Use one of {list(names)} or a ProcessGroup.")
+            return self.device_mesh.get_group(group)
+        return group
+
+    # -- modules -------------------------------------------------------------------------------------
+    def module_init_context(self, precision: Precision, empty_init: bool | None) -> AbstractContextManager[Any]:
+        """Meta device when ``empty_init`` (materialized later in ``setup_module``), plus the precision's dtype."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(precision.module_init_context())
+        return stack
+
+    def setup_module(self, module: TModel, root_device: torch.device) -> TModel:
+        """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors on ``root_device``."""
+        reject_fsdp1_modules(module, self.strategy_name)
+        if self.parallelize_fn is not None:
+            fn_name = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
+            result = self.parallelize_fn(module, self.device_mesh)
+            if not isinstance(result, nn.Module):
+                raise TypeError(
+                    f"`parallelize_fn` ({fn_name}) must return the parallelized `nn.Module`, but it returned"
+                    f" {type(result).__name__}. End it with `return model`."
+                )
+            module = result  # type: ignore[assignment]
+        materialize_module(module, root_device)
+        self._warn_if_unsharded(module)
+        return module
+
+    def _warn_if_unsharded(self, module: nn.Module) -> None:
+        if self.device_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
+            rank_zero_warn(
+                f"The model has no DTensor parameters after `parallelize_fn`, but the mesh has"
+                f" {self.device_mesh.size()} ranks: nothing is sharded and gradients are not synchronized, so"
+                " each rank trains its own copy. Apply `fully_shard` (and/or a tensor-parallel plan) in"
+                " `parallelize_fn`."
+            )
+
+    # -- gradients -----------------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[None]:
+        return self.grad_sync.no_sync(module, enabled)
+
+    @staticmethod
+    def clip_gradients_norm(
+        parameters: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        return clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
+
+    @staticmethod
+    def clip_gradients_value(parameters: list[torch.Tensor], clip_val: float) -> None:
+        clip_grad_value(parameters, clip_val)

@@ -1,0 +1,39 @@
+"""Which Lightning precision plugins make sense with FSDP2 + DTensor, and a clear refusal for the rest.
+
+Fabric's connector refuses unsupported precisions only for Lightning's own ``ModelParallelStrategy``
+class, so a strategy that is not that class must check for itself, at the moment the plugin is attached.
+"""
+
+from __future__ import annotations
+
+from lightning_fabric.plugins import HalfPrecision, MixedPrecision, Precision
+
+__all__ = ["SUPPORTED_PRECISIONS", "check_precision"]
+
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+_WHY = {
+    # fp16 autocast needs a gradient scaler that understands sharded DTensor gradients; torch's
+    # ShardedGradScaler targets FSDP1, so the combination would silently skip inf checks on TP shards.
+    "16-mixed": (
+        " fp16 mixed precision needs a gradient scaler that works on sharded DTensor gradients, which"
+        " FSDP2 + tensor parallelism does not provide. Use precision='bf16-mixed' (no scaler needed)."
+    ),
+}
+
+
+def check_precision(precision: Precision, strategy_name: str) -> None:
+    """Raise ``ValueError`` unless ``precision`` is one of the plugins Fabric builds for the supported names.
+
+    The type is checked as well as the name: a third-party plugin (quantization, transformer-engine)
+    rewrites modules in ways FSDP2 does not expect even when it reports a supported name.
+    """
+    name = str(getattr(precision, "precision", type(precision).__name__))
+    known_type = type(precision) is Precision or isinstance(precision, (MixedPrecision, HalfPrecision))
+    if known_type and name in SUPPORTED_PRECISIONS:
+        return
+    raise ValueError(
+        f"The `{strategy_name}` does not support precision {name!r} ({type(precision).__name__})."
+        + _WHY.get(name, "")
+        + f" Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
+    )

@@ -1,0 +1,350 @@
+"""``ModelParallelStrategy`` for Lightning Fabric, and for standalone use under ``torchrun``.
+
+A thin adapter: Fabric's hooks translate into calls on :class:`modelpar._core.ParallelCore`, which the
+Trainer adapter shares. With Fabric, the accelerator, devices, cluster environment and precision are
+filled in by Fabric; standalone, :meth:`ModelParallelStrategy.setup_environment` detects them itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from lightning_fabric.accelerators import Accelerator
+from lightning_fabric.plugins import CheckpointIO, Precision
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.strategies import ParallelStrategy
+from lightning_fabric.strategies.launchers import _SubprocessScriptLauncher
+from lightning_fabric.utilities import rank_zero_only
+from lightning_fabric.utilities.seed import reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from modelpar._core import ParallelCore, ParallelizeFn
+from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, barrier, broadcast_object, detect_cluster
+from modelpar._mesh import SizeArg
+from modelpar._precision import check_precision
+from modelpar.checkpoint import detect_format, load_module_full_state, load_state, save_state
+from modelpar.checkpoint._format import CheckpointFormat
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ModelParallelStrategy"]
+
+TModel = TypeVar("TModel", bound=nn.Module)
+TBroadcast = TypeVar("TBroadcast")
+
+
+class _BackwardSync:
+    """What Fabric's ``no_backward_sync`` calls into; the flag bookkeeping lives in the core."""
+
+    def __init__(self, core: ParallelCore) -> None:
+        self._core = core
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[None]:
+        return self._core.no_backward_sync(module, enabled)
+
+
+class ModelParallelStrategy(ParallelStrategy):
+    """FSDP2 + tensor parallelism on a 2-D ``("data_parallel", "tensor_parallel")`` device mesh.
+
+    Usage with Fabric::
+
+        def parallelize(model, mesh):
+            parallelize_module(model, mesh["tensor_parallel"], plan)  # TP first ...
+            for block in model.layers:
+                fully_shard(block, mesh=mesh["data_parallel"])       # ... then FSDP, bottom-up
+            fully_shard(model, mesh=mesh["data_parallel"])
+            return model
+
+        fabric = Fabric(strategy=ModelParallelStrategy(parallelize, data_parallel_size=2), devices=4)
+
+    Standalone under ``torchrun`` (no Fabric)::
+
+        strategy = ModelParallelStrategy(parallelize)
+        strategy.setup_environment()
+        model = strategy.setup_module(model)
+
+    Args:
+        parallelize_fn: ``(model, device_mesh) -> model``; applies TP plans and ``fully_shard``.
+        data_parallel_size: ranks along the data-parallel axis. ``"auto"``: the number of nodes, or
+            ``world_size / tensor_parallel_size`` when that one is given.
+        tensor_parallel_size: ranks along the tensor-parallel axis. ``"auto"``: devices per node, or
+            ``world_size / data_parallel_size`` when that one is given.
+        save_distributed_checkpoint: ``True`` saves a reshardable folder of shards; ``False`` one full file.
+        process_group_backend: defaults to NCCL on CUDA, gloo on CPU.
+        timeout: for every collective; a hung rank fails after this instead of blocking forever.
+        accelerator, parallel_devices, cluster_environment, precision: for standalone use; Fabric sets
+            them otherwise. When left out standalone, they are detected (torchrun, SLURM, ...; CUDA or CPU;
+            32-bit precision).
+    """
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[TModel, DeviceMesh], TModel],
+        data_parallel_size: SizeArg = "auto",
+        tensor_parallel_size: SizeArg = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        if parallelize_fn is None:
+            raise TypeError(
+                f"`{type(self).__name__}` needs a `parallelize_fn(model, device_mesh) -> model` that applies"
+                " tensor parallelism and/or `fully_shard` to the model."
+            )
+        fn: ParallelizeFn = parallelize_fn
+        self._core = ParallelCore(
+            strategy_name=type(self).__name__,
+            parallelize_fn=fn,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._num_nodes: int | None = None  # set by Fabric; detected when standalone
+        self._backward_sync_control = _BackwardSync(self._core)  # type: ignore[assignment]
+        self._set_up_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    # -- properties ----------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("data_parallel", "tensor_parallel")`` mesh; exists after :meth:`setup_environment`."""
+        return self._core.device_mesh
+
+    @property  # type: ignore[override]
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric only refuses unsupported precisions for Lightning's own class; refuse them here instead.
+        if precision is not None:
+            check_precision(precision, type(self).__name__)
+        self._precision = precision
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` does not use a `CheckpointIO` plugin: it saves with"
+            " torch.distributed.checkpoint. Use `save_checkpoint` / `load_checkpoint` (`fabric.save` / `fabric.load`)."
+        )
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        raise NotImplementedError(
+            f"`{type(self).__name__}` does not support a `CheckpointIO` plugin ({type(io).__name__} given): it"
+            " saves with torch.distributed.checkpoint. Remove the plugin from `Fabric(plugins=...)`."
+        )
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(
+                f"`{type(self).__name__}.root_device` is unknown before `setup_environment()` (no devices yet)."
+            )
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes or 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._core.sampler_kwargs()
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._core.process_group_backend
+
+    # -- environment ---------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None  # set by Fabric's connector before this hook
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _fill_standalone_defaults(self) -> None:
+        """Without Fabric, nobody has told us the cluster, devices or node count: detect them."""
+        if self.cluster_environment is not None and self.accelerator is not None and self.parallel_devices:
+            self._num_nodes = self._num_nodes or 1
+            return
+        detected = detect_cluster()
+        self.cluster_environment = self.cluster_environment or detected.environment
+        self.accelerator = self.accelerator or detected.accelerator
+        self.parallel_devices = self.parallel_devices or detected.devices
+        if self._num_nodes is None:
+            self._num_nodes = detected.num_nodes
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        """Create the process group and the mesh; sizes are validated first, identically on every rank."""
+        self._fill_standalone_defaults()
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        assert self.cluster_environment is not None  # filled above
+        self._core.setup_distributed(
+            self.cluster_environment,
+            self.root_device,
+            num_nodes=self.num_nodes,
+            devices_per_node=self.num_processes,
+        )
+
+    @override
+    def teardown(self) -> None:
+        """Release the environment; unlike Lightning 2.6.6 this does not touch the (absent) ``checkpoint_io``."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+
+    # -- modules -------------------------------------------------------------------------------------
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self._core.setup_module(module, self.root_device)
+        self._set_up_modules.add(module)
+        return module
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing to do: ``fully_shard`` places shards on the mesh's device, materialization on the root device."""
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
+        return self._core.module_init_context(self.precision, empty_init)
+
+    # -- collectives ---------------------------------------------------------------------------------
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Reduce in place and return ``tensor``; ``group`` may be a mesh axis name like ``"data_parallel"``."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return all_reduce(tensor, self._core.resolve_group(group), reduce_op if reduce_op is not None else "sum")
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return broadcast_object(obj, src)  # type: ignore[no-any-return]
+
+    # -- gradients -----------------------------------------------------------------------------------
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global norm over all meshes the gradients live on (see ``modelpar._clip``)."""
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        return self._core.clip_gradients_norm(params, float(max_norm), float(norm_type), error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        self._core.clip_gradients_value(list(self.precision.main_params(optimizer)), float(clip_val))
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(
+        self,
+        path: str | Path,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state``: a reshardable folder by default, one file with ``save_distributed_checkpoint=False``."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
+            )
+        path = Path(self.broadcast(str(path)))  # one path for all ranks, even if they computed different ones
+        save_state(
+            path,
+            state,
+            full=not self._core.save_distributed_checkpoint,
+            filter=filter,
+            known_modules=list(self._set_up_modules),
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: str | Path,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from ``path`` (either format, any mesh layout); return the unrequested rest."""
+        if not state:
+            raise ValueError(
+                f"Got `{type(self).__name__}.load_checkpoint(..., state={state!r})`, but a state with at least one"
+                " object to restore is needed, like `load_checkpoint(path, state={'model': model, ...})`."
+            )
+        path = Path(self.broadcast(str(path)))
+        if isinstance(state, nn.Module):
+            if detect_format(path) is not CheckpointFormat.FULL:
+                raise ValueError(
+                    f"Loading a distributed checkpoint folder ({str(path)!r}) straight into a module is not"
+                    " supported; pass `state={'model': model}` so the model's key in the checkpoint is known."
+                )
+            full_state = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            load_module_full_state(state, full_state, strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                f"Loading a bare optimizer with `{type(self).__name__}` is not supported; pass"
+                " `state={'optimizer': optimizer}` instead."
+            )
+        return load_state(
+            path, state, strict=strict, weights_only=weights_only, known_modules=list(self._set_up_modules)
+        )

@@ -1,0 +1,28 @@
+"""Detect FSDP1-wrapped submodules and refuse them with a message that says how to migrate."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+__all__ = ["find_fsdp1_modules", "reject_fsdp1_modules"]
+
+
+def find_fsdp1_modules(module: nn.Module) -> list[str]:
+    """Qualified names of the FSDP1-wrapped modules in ``module`` (``"<root>"`` for the module itself)."""
+    return [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def reject_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
+    """Raise ``TypeError`` when ``module`` contains FSDP1 wrappers, which cannot be mixed with FSDP2 / DTensor."""
+    paths = find_fsdp1_modules(module)
+    if not paths:
+        return
+    shown = ", ".join(repr(p) for p in paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+    raise TypeError(
+        f"The model passed to `{strategy_name}` has modules wrapped with FSDP1"
+        f" (`torch.distributed.fsdp.FullyShardedDataParallel`): {shown}. `{strategy_name}` shards with"
+        " FSDP2 and cannot take FSDP1 wrappers. Pass the unwrapped model and shard it in your"
+        " `parallelize_fn` instead: call `torch.distributed.fsdp.fully_shard(block, mesh=...)` on each block"
+        " (where you had an auto-wrap policy), then on the root. See docs/migrating-from-fsdp1.md."
+    )

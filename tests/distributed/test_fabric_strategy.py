@@ -1,0 +1,310 @@
+"""The Fabric strategy on real gloo process groups, checked against a single-process reference.
+
+Two spawns: 2 processes (meshes 2x1 and 1x2) and 4 processes laid out as two simulated nodes of two
+(meshes "auto" -> 2x2, 4x1, 1x4). Each spawn runs a grid of cases; each case raises on a mismatch, so
+the harness reports the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity import (
+    CFG,
+    assert_matches,
+    global_batches,
+    local_slice,
+    lm_loss,
+    make_fabric,
+    reference_model,
+    setup_pair,
+)
+from torch import nn
+
+from harness import run_distributed
+from modelpar.models import Llama
+
+STEPS = 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# cases (run inside every rank)
+# ---------------------------------------------------------------------------------------------------
+def case_training_matches_reference(dp: Any, tp: Any, world_size: int, num_nodes: int = 1) -> dict[str, Any]:
+    """Losses, gradients and weights after several AdamW steps equal the single-process run."""
+    fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
+    mesh = fabric.strategy.device_mesh
+    model, optimizer, ref, ref_opt = setup_pair(fabric)
+    losses, grad_diff, weight_diff = [], 0.0, 0.0
+    for x, y in global_batches(STEPS):
+        loss = lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y))
+        fabric.backward(loss)
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        global_loss = fabric.all_reduce(loss.detach().clone(), reduce_op="mean")
+        torch.testing.assert_close(global_loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        grad_diff = max(grad_diff, assert_matches(model, ref, "grad"))
+        optimizer.step()
+        ref_opt.step()
+        optimizer.zero_grad()
+        ref_opt.zero_grad()
+        weight_diff = max(weight_diff, assert_matches(model, ref, "param"))
+        losses.append(ref_loss.item())
+    return {
+        "mesh": tuple(mesh.shape),
+        "axes": mesh.mesh_dim_names,
+        "losses": losses,
+        "grad_diff": grad_diff,
+        "weight_diff": weight_diff,
+        "sampler": fabric.strategy.distributed_sampler_kwargs,
+    }
+
+
+def case_clipping_matches_reference(dp: int, tp: int, world_size: int, num_nodes: int = 1) -> dict[str, float]:
+    """`fabric.clip_gradients` by norm (2 and inf) and by value equals clipping the reference model."""
+    out = {}
+    for mode in ("norm2", "norminf", "value"):
+        fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
+        model, _optimizer, ref, _ = setup_pair(fabric)
+        x, y = global_batches(1)[0]
+        fabric.backward(lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y)))
+        lm_loss(ref(x), y).backward()
+        if mode == "value":
+            fabric.clip_gradients(model, _optimizer, clip_val=0.01)
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+        else:
+            norm_type = 2.0 if mode == "norm2" else float("inf")
+            got = fabric.clip_gradients(model, _optimizer, max_norm=0.05, norm_type=norm_type)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+            assert got is not None and float(want) > 0.05, "the test must actually clip"
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            out[mode] = float(got)
+        assert_matches(model, ref, "grad")
+    return out
+
+
+def case_no_backward_sync_accumulates_and_restores(dp: int, tp: int, world_size: int, num_nodes: int = 1) -> bool:
+    """Accumulation under `no_backward_sync` matches the reference, and sync is on again afterwards."""
+    fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
+    model, _opt, ref, _ = setup_pair(fabric)
+    (x1, y1), (x2, y2), (x3, y3) = global_batches(3)
+    # enabled=False must change nothing (Lightning 2.6.6 leaves sync off after it).
+    with fabric.no_backward_sync(model, enabled=False):
+        pass
+    with fabric.no_backward_sync(model, enabled=True):
+        with fabric.no_backward_sync(model, enabled=True):  # nested: inner exit must not re-enable sync
+            fabric.backward(lm_loss(model(local_slice(fabric, x1)), local_slice(fabric, y1)))
+        fabric.backward(lm_loss(model(local_slice(fabric, x2)), local_slice(fabric, y2)))
+    fabric.backward(lm_loss(model(local_slice(fabric, x3)), local_slice(fabric, y3)))
+    for x, y in ((x1, y1), (x2, y2), (x3, y3)):
+        lm_loss(ref(x), y).backward()
+    assert_matches(model, ref, "grad")
+    return True
+
+
+def case_meta_init_materializes_consistently(
+    dp: int, tp: int, world_size: int, num_nodes: int = 1
+) -> dict[str, Any]:
+    """`fabric.init_module(empty_init=True)` + setup: nothing on meta, one coherent model on every rank."""
+    fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
+    with fabric.init_module(empty_init=True):
+        model = Llama(CFG)
+    assert all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    from parity import full
+
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    ref_rope = reference_model().rope
+    torch.testing.assert_close(model.rope.cos, ref_rope.cos)
+    torch.testing.assert_close(full(model.norm.weight), torch.ones(CFG.dim))
+    # Every rank must hold parts of one model: gathered values identical across all ranks.
+    checksums = torch.stack([full(p).detach().double().sum() for p in model.parameters()])
+    gathered = [torch.zeros_like(checksums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, checksums)
+    for other in gathered[1:]:
+        torch.testing.assert_close(other, gathered[0], atol=0, rtol=0)
+    bound = 1 / CFG.dim**0.5  # nn.Linear's kaiming-uniform bound with fan_in = dim
+    wq = full(model.layers[0].attention.wq.weight)
+    assert 0 < wq.abs().max() <= bound + 1e-6 and wq.std() > bound / 4
+    # Forward/backward works on the materialized model.
+    x, y = global_batches(1)[0]
+    fabric.backward(lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y)))
+    return {"params": len(checksums)}
+
+
+class _NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+class _BadReset(nn.Linear):
+    def reset_parameters(self) -> None:  # re-creates the weight on meta instead of filling it
+        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"))
+
+
+def _shard_all(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def _returns_none(model: nn.Module, mesh: Any) -> None:
+    return None
+
+
+def case_setup_errors(world_size: int) -> dict[str, str]:
+    messages: dict[str, str] = {}
+    # 1. sizes that do not multiply to the world size: raised in setup_environment, before any collective.
+    with pytest.raises(ValueError, match=r"`data_parallel_size=3` x `tensor_parallel_size=2` = 6") as e1:
+        make_fabric(3, 2, world_size=world_size, parallelize_fn=_shard_all)
+    messages["sizes"] = str(e1.value)
+    with pytest.raises(ValueError, match=r"`tensor_parallel_size=3` .* Choose tensor_parallel_size among") as e2:
+        make_fabric("auto", 3, world_size=world_size, parallelize_fn=_shard_all)
+    messages["auto"] = str(e2.value)
+    # 2. parallelize_fn that forgets to return the model.
+    fabric = make_fabric(world_size, 1, world_size=world_size, parallelize_fn=_returns_none)
+    with pytest.raises(TypeError, match=r"must return the parallelized `nn.Module`, but it returned NoneType"):
+        fabric.setup_module(nn.Linear(2, 2))
+    # 3. FSDP1-wrapped submodules are named.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fabric = make_fabric(world_size, 1, world_size=world_size, parallelize_fn=_shard_all)
+    wrapped = nn.Sequential(nn.Linear(4, 4), FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu")))
+    with pytest.raises(TypeError, match=r"wrapped with FSDP1 .*: '1'\. .*fully_shard") as e3:
+        fabric.setup_module(wrapped)
+    messages["fsdp1"] = str(e3.value)
+    # 4. a reset_parameters that leaves tensors on meta is named; a class without one is warned about.
+    with fabric.init_module(empty_init=True):
+        bad = nn.Sequential(_BadReset(4, 4))
+    with pytest.raises(RuntimeError, match=r"still on the meta device: 0\.weight"):
+        fabric.setup_module(bad)
+    with fabric.init_module(empty_init=True):
+        no_reset = nn.Sequential(nn.Linear(4, 4), _NoReset())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.setup_module(no_reset)
+    texts = [str(w.message) for w in caught if "reset_parameters" in str(w.message)]
+    if dist.get_rank() == 0:
+        assert texts and "_NoReset" in texts[0] and "Linear" not in texts[0].split(":")[-1], texts
+    else:
+        assert not texts, "the warning is for rank 0 only"
+    return messages
+
+
+def case_collectives(world_size: int, num_nodes: int = 1) -> dict[str, Any]:
+    fabric = make_fabric("auto", 2, world_size=world_size, num_nodes=num_nodes, parallelize_fn=_shard_all)
+    rank = dist.get_rank()
+    t = torch.tensor(float(rank))
+    assert fabric.all_reduce(t) is t  # in place, like Lightning
+    mean = t.item()
+    total = fabric.all_reduce(torch.tensor(float(rank)), reduce_op="sum").item()
+    tp_sum = fabric.strategy.all_reduce(torch.tensor(float(rank)), group="tensor_parallel", reduce_op="sum").item()
+    fabric.barrier()
+    obj = fabric.broadcast({"from": rank}, src=0)
+    return {"mean": mean, "sum": total, "tp_sum": tp_sum, "bcast": obj["from"]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# grids (one spawn each)
+# ---------------------------------------------------------------------------------------------------
+def grid_two_processes() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dp, tp in ((2, 1), (1, 2)):
+        out[f"train_{dp}x{tp}"] = case_training_matches_reference(dp, tp, 2)
+        out[f"clip_{dp}x{tp}"] = case_clipping_matches_reference(dp, tp, 2)
+        out[f"sync_{dp}x{tp}"] = case_no_backward_sync_accumulates_and_restores(dp, tp, 2)
+        out[f"meta_{dp}x{tp}"] = case_meta_init_materializes_consistently(dp, tp, 2)
+    out["errors"] = case_setup_errors(2)
+    out["collectives"] = case_collectives(2)
+    return out
+
+
+def grid_two_nodes_of_two() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["train_auto"] = case_training_matches_reference("auto", "auto", 4, num_nodes=2)
+    for dp, tp in ((4, 1), (1, 4)):
+        out[f"train_{dp}x{tp}"] = case_training_matches_reference(dp, tp, 4, num_nodes=2)
+    out["clip_2x2"] = case_clipping_matches_reference(2, 2, 4, num_nodes=2)
+    out["sync_2x2"] = case_no_backward_sync_accumulates_and_restores(2, 2, 4, num_nodes=2)
+    out["meta_2x2"] = case_meta_init_materializes_consistently(2, 2, 4, num_nodes=2)
+    out["collectives"] = case_collectives(4, num_nodes=2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_process_results() -> list[dict[str, Any]]:
+    return run_distributed(grid_two_processes, 2)
+
+
+@pytest.fixture(scope="module")
+def two_node_results() -> list[dict[str, Any]]:
+    return run_distributed(grid_two_nodes_of_two, 4, nodes=2)
+
+
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_training_on_two_processes_matches_single_process_reference(two_process_results, layout):
+    results = [r[f"train_{layout}"] for r in two_process_results]
+    dp, tp = (int(v) for v in layout.split("x"))
+    assert all(r["mesh"] == (dp, tp) and r["axes"] == ("data_parallel", "tensor_parallel") for r in results)
+    assert results[0]["losses"][-1] < results[0]["losses"][0], "training must make progress"
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    if dp == 2:
+        assert [r["sampler"] for r in results] == [{"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}]
+    else:  # tensor-parallel peers get the same batches
+        assert all(r["sampler"] == {"num_replicas": 1, "rank": 0} for r in results)
+
+
+def test_auto_sizes_on_two_simulated_nodes_give_a_2x2_mesh_that_matches_reference(two_node_results):
+    results = [r["train_auto"] for r in two_node_results]
+    assert all(r["mesh"] == (2, 2) for r in results)
+    assert [r["sampler"]["rank"] for r in results] == [0, 0, 1, 1]  # TP peers are neighbouring ranks
+
+
+@pytest.mark.parametrize("layout", ["4x1", "1x4"])
+def test_training_on_four_processes_matches_single_process_reference(two_node_results, layout):
+    dp, tp = (int(v) for v in layout.split("x"))
+    assert all(r[f"train_{layout}"]["mesh"] == (dp, tp) for r in two_node_results)
+
+
+@pytest.mark.parametrize(("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])])
+def test_gradient_clipping_by_norm_and_value_matches_reference(request, results, layouts):
+    for r in request.getfixturevalue(results):
+        for layout in layouts:
+            clip = r[f"clip_{layout}"]
+            assert clip["norm2"] > 0.05 and clip["norminf"] > 0
+
+
+@pytest.mark.parametrize(("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])])
+def test_no_backward_sync_accumulates_like_reference_and_restores_sync(request, results, layouts):
+    assert all(r[f"sync_{layout}"] for r in request.getfixturevalue(results) for layout in layouts)
+
+
+@pytest.mark.parametrize(("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])])
+def test_meta_device_init_is_materialized_consistently_on_every_rank(request, results, layouts):
+    assert all(r[f"meta_{layout}"]["params"] > 0 for r in request.getfixturevalue(results) for layout in layouts)
+
+
+def test_bad_input_raises_the_same_clear_error_on_every_rank(two_process_results):
+    messages = [r["errors"] for r in two_process_results]
+    assert messages[0] == messages[1]
+    assert "the world size is 2" in messages[0]["sizes"] and 'pass "auto"' in messages[0]["sizes"]
+    assert "[1, 2]" in messages[0]["auto"]
+
+
+def test_collectives_reduce_over_world_or_mesh_axis(two_process_results, two_node_results):
+    for results, world in ((two_process_results, 2), (two_node_results, 4)):
+        c = [r["collectives"] for r in results]
+        expected_sum = sum(range(world))
+        assert all(x["sum"] == expected_sum and x["mean"] == expected_sum / world for x in c)
+        assert all(x["bcast"] == 0 for x in c)
+        # tensor-parallel groups are neighbouring ranks: (0, 1) and, with 4 ranks, (2, 3)
+        assert [x["tp_sum"] for x in c] == ([1.0, 1.0] if world == 2 else [1.0, 1.0, 5.0, 5.0])

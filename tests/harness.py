@@ -1,0 +1,120 @@
+"""Run a function on N CPU processes with gloo: our own small harness for the distributed tests.
+
+* one spawn runs a whole grid of cases (a spawn costs seconds; a case costs milliseconds);
+* every process gets the launcher variables a real run would (``LOCAL_RANK``, ``NODE_RANK`` ...), optionally
+  laid out as several simulated nodes on this machine;
+* a rank that raises fails the test at once with every rank's traceback; the others are killed instead of
+  being left to hang in a collective; a deadline bounds the whole run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+#: Process-group timeout for tests: long enough for a slow CI machine, short enough to end a hang.
+PG_TIMEOUT = timedelta(seconds=90)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str, str]:
+    per_node = world_size // nodes
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % per_node),
+        "NODE_RANK": str(rank // per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...], out: Any) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        out.put((rank, True, result))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, nodes: int = 1, timeout: float = 240.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned processes; return each rank's return value by rank.
+
+    ``fn`` must be importable (module level) and return picklable values.
+    """
+    if world_size % nodes:
+        raise ValueError(f"world_size={world_size} is not a multiple of nodes={nodes}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, launcher_env(r, world_size, nodes, port), args, out), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            if failures:
+                # Give the other ranks a moment to report their own errors (usually the same one), then stop.
+                grace = time.monotonic() + 5
+                while len(results) + len(failures) < world_size and time.monotonic() < grace:
+                    _drain(out, results, failures, wait=0.2)
+                break
+            if time.monotonic() > deadline:
+                failures[-1] = f"timed out after {timeout:.0f}s; ranks without a result: " + str(
+                    sorted(set(range(world_size)) - set(results) - set(failures))
+                )
+                break
+            _drain(out, results, failures, wait=0.5)
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead and not failures:
+                _drain(out, results, failures, wait=1.0)
+                for r in dead:
+                    failures.setdefault(r, f"process exited with code {procs[r].exitcode} and no result")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=10 if not failures else 0.1)
+            if p.is_alive():
+                p.kill()
+    if failures:
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{report}")
+    return [results[r] for r in range(world_size)]
+
+
+def _drain(out: Any, results: dict[int, Any], failures: dict[int, str], wait: float) -> None:
+    try:
+        rank, ok, payload = out.get(timeout=wait)
+    except queue.Empty:
+        return
+    (results if ok else failures)[rank] = payload

@@ -1,0 +1,106 @@
+"""Shared pieces of the distributed tests: a tiny model, deterministic data, and reference comparisons.
+
+Every distributed check builds a plain single-process copy of the model from the same seed, feeds it
+the whole global batch, and compares losses, gradients and weights with the sharded model's gathered
+values. The sharded model sees only its data-parallel slice of that batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning_fabric import Fabric
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from harness import PG_TIMEOUT
+from modelpar import ModelParallelStrategy
+from modelpar.models import Llama, LlamaConfig
+from modelpar.plans import parallelize_llama
+
+# n_heads, n_kv_heads, ffn_hidden and vocab are divisible by 4, so every layout up to 1x4 applies.
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=64, max_seq_len=16)
+GLOBAL_BATCH = 8
+SEQ = 12
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def make_fabric(
+    dp: Any,
+    tp: Any,
+    *,
+    world_size: int,
+    num_nodes: int = 1,
+    precision: str = "32-true",
+    parallelize_fn: Callable[..., Any] = parallelize_llama,
+    **strategy_kwargs: Any,
+) -> Fabric:
+    strategy = ModelParallelStrategy(parallelize_fn, dp, tp, timeout=PG_TIMEOUT, **strategy_kwargs)
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world_size // num_nodes,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,  # type: ignore[arg-type]
+    )
+    fabric.launch()
+    return fabric
+
+
+def reference_model(seed: int = 0, cfg: LlamaConfig = CFG) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(cfg)
+
+
+def global_batches(steps: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Arithmetic token sequences (learnable, so the loss moves): inputs and next-token targets."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, 1), generator=g)
+        step = torch.randint(1, 5, (GLOBAL_BATCH, 1), generator=g)
+        seq = (start + step * torch.arange(SEQ + 1)) % CFG.vocab_size
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+def local_slice(fabric: Fabric, t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a global batch: split by data-parallel rank only (TP peers see the same)."""
+    kw = fabric.strategy.distributed_sampler_kwargs
+    per = t.shape[0] // kw["num_replicas"]
+    return t[kw["rank"] * per : (kw["rank"] + 1) * per]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_matches(model: nn.Module, ref: nn.Module, what: str, atol: float = ATOL, rtol: float = RTOL) -> float:
+    """Compare every parameter (``what="param"``) or gradient (``"grad"``) with the reference; return max diff."""
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    model = getattr(model, "module", model)  # unwrap Fabric's _FabricModule
+    for name, p in model.named_parameters():
+        r = ref_params[name]
+        got = full(p.grad if what == "grad" else p).detach().float()
+        want = (r.grad if what == "grad" else r).detach().float()
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{what} {n}: {m}")
+        worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def setup_pair(fabric: Fabric, lr: float = 1e-2) -> tuple[Any, Any, Llama, torch.optim.Optimizer]:
+    """A sharded model + optimizer through Fabric, and its single-process reference twin."""
+    ref = reference_model()
+    model = fabric.setup_module(copy.deepcopy(ref))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
+    return model, optimizer, ref, ref_opt
