@@ -18,6 +18,7 @@ import torch
 from lightning_fabric.accelerators import Accelerator
 from lightning_fabric.plugins import CheckpointIO, Precision
 from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning_fabric.strategies import ParallelStrategy
 from lightning_fabric.strategies.launchers import _SubprocessScriptLauncher
 from lightning_fabric.utilities import rank_zero_only
@@ -53,8 +54,13 @@ class _BackwardSync:
         return self._core.no_backward_sync(module, enabled)
 
 
-class ModelParallelStrategy(ParallelStrategy):
+class ModelParallelStrategy(_LightningModelParallelStrategy):
     """FSDP2 + tensor parallelism on a 2-D ``("data_parallel", "tensor_parallel")`` device mesh.
+
+    It subclasses Lightning's ``ModelParallelStrategy`` only so that every ``isinstance`` check in Lightning
+    treats it as a model-parallel strategy (Fabric refuses unsupported precisions that way, before it would
+    silently turn ``"16-mixed"`` into ``"bf16-mixed"`` on CPU). None of Lightning's logic is used: every
+    hook is overridden here and forwards to the shared core, and Lightning's ``__init__`` is not called.
 
     Usage with Fabric::
 
@@ -116,7 +122,8 @@ class ModelParallelStrategy(ParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        super().__init__(
+        ParallelStrategy.__init__(  # skip Lightning's __init__: its state is unused here
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -221,7 +228,7 @@ class ModelParallelStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Create the process group and the mesh; sizes are validated first, identically on every rank."""
         self._fill_standalone_defaults()
-        super().setup_environment()
+        ParallelStrategy.setup_environment(self)  # device set-up only; not Lightning's process-group code
         reset_seed()
         self._set_world_ranks()
         assert self.cluster_environment is not None  # filled above

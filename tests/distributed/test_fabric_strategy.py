@@ -197,6 +197,36 @@ def case_setup_errors(world_size: int) -> dict[str, str]:
     return messages
 
 
+_PRECISION_DTYPE = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def case_precision_matches_reference_in_same_precision(precision: str, num_nodes: int) -> dict[str, Any]:
+    """One step on 2x2 in `precision`; the reference runs the same precision on one process."""
+    import copy
+
+    fabric = make_fabric(2, 2, world_size=4, num_nodes=num_nodes, precision=precision)
+    ref = reference_model()
+    model = fabric.setup_module(copy.deepcopy(ref))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    dtype = _PRECISION_DTYPE[precision]
+    ref = ref.to(dtype)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = global_batches(1)[0]
+    loss = lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y))
+    fabric.backward(loss)
+    optimizer.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    global_loss = fabric.all_reduce(loss.detach().float().clone())
+    torch.testing.assert_close(global_loss, ref_loss.detach().float(), atol=3e-2, rtol=3e-2)
+    param_dtypes = {p.dtype for p in model.parameters()}
+    assert param_dtypes == {dtype}, param_dtypes
+    assert_matches(model, ref, "param", atol=2e-2, rtol=2e-2)
+    return {"loss": float(global_loss), "dtype": str(dtype)}
+
+
 def case_collectives(world_size: int, num_nodes: int = 1) -> dict[str, Any]:
     fabric = make_fabric("auto", 2, world_size=world_size, num_nodes=num_nodes, parallelize_fn=_shard_all)
     rank = dist.get_rank()
@@ -234,6 +264,8 @@ def grid_two_nodes_of_two() -> dict[str, Any]:
     out["sync_2x2"] = case_no_backward_sync_accumulates_and_restores(2, 2, 4, num_nodes=2)
     out["meta_2x2"] = case_meta_init_materializes_consistently(2, 2, 4, num_nodes=2)
     out["collectives"] = case_collectives(4, num_nodes=2)
+    for precision in _PRECISION_DTYPE:
+        out[f"precision_{precision}"] = case_precision_matches_reference_in_same_precision(precision, 2)
     return out
 
 
@@ -308,3 +340,9 @@ def test_collectives_reduce_over_world_or_mesh_axis(two_process_results, two_nod
         assert all(x["bcast"] == 0 for x in c)
         # tensor-parallel groups are neighbouring ranks: (0, 1) and, with 4 ranks, (2, 3)
         assert [x["tp_sum"] for x in c] == ([1.0, 1.0] if world == 2 else [1.0, 1.0, 5.0, 5.0])
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true"])
+def test_supported_precisions_train_like_reference_in_same_precision(two_node_results, precision):
+    results = [r[f"precision_{precision}"] for r in two_node_results]
+    assert len({r["loss"] for r in results}) == 1

@@ -1,0 +1,71 @@
+"""Run under ``torchrun`` by test_standalone.py: the strategy with no Fabric and no Trainer.
+
+Trains a few AdamW steps with plain torch calls, compares with a single-process reference, clips, saves
+and reloads a checkpoint, and writes this rank's findings as JSON to ``<out_dir>/rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for parity and harness
+
+from parity import assert_matches, global_batches, lm_loss, reference_model  # noqa: E402
+
+from harness import PG_TIMEOUT  # noqa: E402
+from modelpar import ModelParallelStrategy  # noqa: E402
+from modelpar.plans import parallelize_llama  # noqa: E402
+
+
+def main(out_dir: Path) -> None:
+    strategy = ModelParallelStrategy(parallelize_llama, timeout=PG_TIMEOUT)  # everything else detected
+    strategy.setup_environment()
+    mesh = strategy.device_mesh
+    ref = reference_model()
+    model = strategy.setup_module(copy.deepcopy(ref))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    kw = strategy.distributed_sampler_kwargs
+    losses = []
+    for x, y in global_batches(3):
+        per = x.shape[0] // kw["num_replicas"]
+        sl = slice(kw["rank"] * per, (kw["rank"] + 1) * per)
+        loss = lm_loss(model(x[sl]), y[sl])
+        loss.backward()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        norm = strategy.clip_gradients_norm(model, optimizer, max_norm=1e9)  # measures, does not clip
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+        assert_matches(model, ref, "grad")
+        optimizer.step(), ref_opt.step(), optimizer.zero_grad(), ref_opt.zero_grad()
+        assert_matches(model, ref, "param")
+        losses.append(strategy.all_reduce(loss.detach().clone()).item())
+    ckpt = strategy.broadcast(str(out_dir / "ckpt"))
+    strategy.save_checkpoint(ckpt, {"model": model, "optimizer": optimizer, "step": 3})
+    fresh = strategy.setup_module(reference_model(seed=1))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    strategy.load_checkpoint(ckpt, state)
+    assert_matches(fresh, ref, "param")
+    assert state["step"] == 3
+    result = {
+        "rank": dist.get_rank(),
+        "mesh": list(mesh.shape),
+        "num_nodes": strategy.num_nodes,
+        "device": str(strategy.root_device),
+        "precision": strategy.precision.precision,
+        "losses": losses,
+    }
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    strategy.teardown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

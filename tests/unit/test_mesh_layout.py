@@ -1,0 +1,53 @@
+"""Mesh size resolution and its error messages (pure arithmetic, no process group)."""
+
+import pytest
+
+from modelpar import MeshLayout
+
+
+def resolve(dp, tp, world=4, nodes=1, per_node=4):
+    return MeshLayout.resolve(dp, tp, world_size=world, num_nodes=nodes, devices_per_node=per_node)
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "nodes", "per_node", "expected"),
+    [
+        ("auto", "auto", 1, 4, (1, 4)),  # one node: all TP
+        ("auto", "auto", 2, 2, (2, 2)),  # TP within a node, DP across nodes
+        ("auto", "auto", 4, 1, (4, 1)),
+        (2, "auto", 1, 4, (2, 2)),  # the other size is world / given
+        ("auto", 4, 1, 4, (1, 4)),
+        ("auto", 1, 2, 2, (4, 1)),
+        (2, 2, 1, 4, (2, 2)),
+    ],
+)
+def test_sizes_resolve_to_a_layout_whose_product_is_the_world_size(dp, tp, nodes, per_node, expected):
+    layout = resolve(dp, tp, nodes=nodes, per_node=per_node)
+    assert layout.shape == expected
+
+
+def test_explicit_sizes_with_the_wrong_product_name_the_values_and_the_fix():
+    with pytest.raises(ValueError) as e:
+        resolve(3, 2)
+    assert str(e.value) == (
+        "`data_parallel_size=3` x `tensor_parallel_size=2` = 6, but the world size is 4. Choose sizes whose"
+        ' product is 4, or pass "auto" for one of them.'
+    )
+
+
+def test_a_given_size_that_does_not_divide_the_world_lists_the_divisors():
+    with pytest.raises(ValueError, match=r"`data_parallel_size=3` with `tensor_parallel_size=\"auto\"` needs 3 to"):
+        resolve(3, "auto", world=8, per_node=8)
+    with pytest.raises(ValueError, match=r"Choose tensor_parallel_size among \[1, 2, 3, 6\]"):
+        resolve("auto", 4, world=6, per_node=6)
+
+
+def test_auto_sizes_that_disagree_with_the_world_size_say_so():
+    with pytest.raises(ValueError, match=r"number of nodes \(2\) x devices per node \(4\) = 8, but the world size is 4"):
+        resolve("auto", "auto", world=4, nodes=2, per_node=4)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "2", True, None, "AUTO"])
+def test_sizes_that_are_not_positive_ints_or_auto_are_rejected(bad):
+    with pytest.raises(ValueError, match=rf"`tensor_parallel_size={bad!r}` is not a valid size\. Pass a positive"):
+        resolve(1, bad)
