@@ -1,12 +1,16 @@
-"""Gradient clipping that understands N-D meshes.
+"""Gradient clipping that understands N-D meshes, with one collective for the whole model.
 
 After FSDP2 + tensor parallelism, gradients live on different meshes: TP-sharded weights on the 2-D
-``(data_parallel, tensor_parallel)`` mesh, norms and biases that only FSDP touched on the 1-D
-``data_parallel`` sub-mesh. ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms and fails on
-such a mix ("All operands in aten.stack.default must have the same mesh"). Here gradients are grouped by
-``(mesh, placements)``; each group contributes ``sum(|g_local|^p)`` reduced over only the mesh axes that
-shard it (one collective per group, none for replicated axes), and the groups combine into the global norm
-every rank agrees on. Clipping then scales each rank's local shards in place.
+``(data_parallel, tensor_parallel)`` mesh, norms that only FSDP touched on the 1-D ``data_parallel``
+sub-mesh. ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms and fails on such a mix ("All operands
+in aten.stack.default must have the same mesh").
+
+Here each rank sums ``|g_local|^p`` over its local shards, each weighted by ``distinct shards / world size``:
+a shard held by ``k`` ranks (replicated along some axes, or on a sub-mesh repeated across the others) is then
+counted exactly once by a single all-reduce over all ranks. That is one collective per clipping call,
+whatever the number of parameters and meshes. It assumes what the strategy guarantees: every mesh is a slice
+of one mesh over all ranks, and every rank holds the same parameters. Clipping then scales local shards
+in place.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["clip_grad_norm", "clip_grad_value"]
 
@@ -33,28 +38,16 @@ def _without_partial(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _group_norm_power(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """``sum |g|^p`` (or ``max |g|`` for p = inf) over whole gradients of one (mesh, placements) group."""
-    locals_ = [_local(g) for g in grads]
-    norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in locals_])
-    local_value = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
-    first = grads[0]
-    if not isinstance(first, DTensor):
-        return local_value
-    op = "max" if math.isinf(norm_type) else "sum"
-    # Sharded axes hold disjoint pieces -> reduce over them; replicated axes hold copies -> leave them alone.
-    # "Not replicated" rather than `is_shard()`: FSDP over TP shards with a strided placement that is a
-    # shard in all but name (it reports `is_shard() == False`).
-    placements: list[Placement] = [Replicate() if p.is_replicate() else Partial(op) for p in first.placements]
-    return DTensor.from_local(local_value, first.device_mesh, placements, run_check=False).full_tensor()
+def _distinct_shards(grad: torch.Tensor) -> int:
+    """How many different pieces the gradient is cut into: the product of its non-replicated axis sizes.
 
-
-def _grouped(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        key: object = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
-        groups.setdefault(key, []).append(g)
-    return list(groups.values())
+    "Not replicated" rather than ``is_shard()``: FSDP over TP uses a strided placement that is a shard in all
+    but name (it reports ``is_shard() == False``).
+    """
+    if not isinstance(grad, DTensor):
+        return 1
+    mesh = grad.device_mesh
+    return math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if not p.is_replicate())
 
 
 def clip_grad_norm(
@@ -73,10 +66,17 @@ def clip_grad_norm(
     if not grads:
         return torch.tensor(0.0)
     device = _local(grads[0]).device
+    world = dist.get_world_size() if dist.is_initialized() else 1
     whole = [_without_partial(g) for g in grads]
-    contributions = [_group_norm_power(group, norm_type).to(device) for group in _grouped(whole)]
-    stacked = torch.stack(contributions)
-    total = stacked.max() if math.isinf(norm_type) else stacked.sum().pow(1.0 / norm_type)
+    local_norms = torch.stack([torch.linalg.vector_norm(_local(g).double(), norm_type).to(device) for g in whole])
+    if math.isinf(norm_type):
+        acc = local_norms.max()  # copies do not change a maximum
+    else:
+        weights = torch.tensor([_distinct_shards(g) / world for g in whole], dtype=torch.float64, device=device)
+        acc = (local_norms.pow(norm_type) * weights).sum()
+    if world > 1:
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    total = (acc if math.isinf(norm_type) else acc.pow(1.0 / norm_type)).to(_local(grads[0]).dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is {total.item()}, so they cannot be"

@@ -7,7 +7,7 @@ Fabric or the Trainer: it is given devices, a cluster environment and a precisio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -161,10 +161,10 @@ class ParallelCore:
 
     @staticmethod
     def clip_gradients_norm(
-        parameters: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+        parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
     ) -> torch.Tensor:
         return clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
 
     @staticmethod
-    def clip_gradients_value(parameters: list[torch.Tensor], clip_val: float) -> None:
+    def clip_gradients_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
         clip_grad_value(parameters, clip_val)

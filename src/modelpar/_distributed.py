@@ -143,7 +143,7 @@ def detect_cluster() -> DetectedCluster:
     environment: ClusterEnvironment = LightningEnvironment()
     for env_cls in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment):
         if env_cls.detect():
-            environment = env_cls()  # type: ignore[abstract]
+            environment = env_cls()
             break
     world_size = environment.world_size()
     per_node_env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")

@@ -8,7 +8,7 @@ per node), so every rank reaches the same verdict and raises the same error: no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -19,7 +19,7 @@ __all__ = ["MESH_AXES", "MeshLayout", "SizeArg", "check_size_arg"]
 #: are neighbouring ranks (on one node, with "auto"), where the frequent TP collectives are cheapest.
 MESH_AXES = ("data_parallel", "tensor_parallel")
 
-SizeArg = Union[Literal["auto"], int]
+SizeArg = Literal["auto"] | int
 
 
 def check_size_arg(name: str, value: object) -> None:

@@ -129,7 +129,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._num_nodes: int | None = None  # set by Fabric; detected when standalone
+        self._num_nodes = 0  # 0 = not told yet: Fabric sets it, standalone use detects it
         self._backward_sync_control = _BackwardSync(self._core)  # type: ignore[assignment]
         self._set_up_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -139,7 +139,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         """The ``("data_parallel", "tensor_parallel")`` mesh; exists after :meth:`setup_environment`."""
         return self._core.device_mesh
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision(self) -> Precision:
         return self._precision if self._precision is not None else Precision()
@@ -215,14 +215,15 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         self.cluster_environment = self.cluster_environment or detected.environment
         self.accelerator = self.accelerator or detected.accelerator
         self.parallel_devices = self.parallel_devices or detected.devices
-        if self._num_nodes is None:
+        if not self._num_nodes:
             self._num_nodes = detected.num_nodes
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # rank_zero_only is a decorator whose `rank` attribute decides which process logs.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup_environment(self) -> None:
@@ -277,7 +278,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)  # type: ignore[no-any-return]
+        return broadcast_object(obj, src)
 
     # -- gradients -----------------------------------------------------------------------------------
     @override

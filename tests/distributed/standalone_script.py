@@ -16,11 +16,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for parity and harness
 
-from parity import assert_matches, global_batches, lm_loss, reference_model  # noqa: E402
-
-from harness import PG_TIMEOUT  # noqa: E402
-from modelpar import ModelParallelStrategy  # noqa: E402
-from modelpar.plans import parallelize_llama  # noqa: E402
+from harness import PG_TIMEOUT
+from modelpar import ModelParallelStrategy
+from modelpar.plans import parallelize_llama
+from parity import assert_matches, global_batches, lm_loss, reference_model
 
 
 def main(out_dir: Path) -> None:

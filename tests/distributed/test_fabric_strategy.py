@@ -13,20 +13,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from parity import (
-    CFG,
-    assert_matches,
-    global_batches,
-    local_slice,
-    lm_loss,
-    make_fabric,
-    reference_model,
-    setup_pair,
-)
 from torch import nn
 
 from harness import run_distributed
 from modelpar.models import Llama
+from parity import (
+    CFG,
+    assert_matches,
+    global_batches,
+    lm_loss,
+    local_slice,
+    make_fabric,
+    reference_model,
+    setup_pair,
+)
 
 STEPS = 3
 
@@ -106,9 +106,7 @@ def case_no_backward_sync_accumulates_and_restores(dp: int, tp: int, world_size:
     return True
 
 
-def case_meta_init_materializes_consistently(
-    dp: int, tp: int, world_size: int, num_nodes: int = 1
-) -> dict[str, Any]:
+def case_meta_init_materializes_consistently(dp: int, tp: int, world_size: int, num_nodes: int = 1) -> dict[str, Any]:
     """`fabric.init_module(empty_init=True)` + setup: nothing on meta, one coherent model on every rank."""
     fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
     with fabric.init_module(empty_init=True):
@@ -307,7 +305,9 @@ def test_training_on_four_processes_matches_single_process_reference(two_node_re
     assert all(r[f"train_{layout}"]["mesh"] == (dp, tp) for r in two_node_results)
 
 
-@pytest.mark.parametrize(("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])])
+@pytest.mark.parametrize(
+    ("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])]
+)
 def test_gradient_clipping_by_norm_and_value_matches_reference(request, results, layouts):
     for r in request.getfixturevalue(results):
         for layout in layouts:
@@ -315,12 +315,16 @@ def test_gradient_clipping_by_norm_and_value_matches_reference(request, results,
             assert clip["norm2"] > 0.05 and clip["norminf"] > 0
 
 
-@pytest.mark.parametrize(("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])])
+@pytest.mark.parametrize(
+    ("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])]
+)
 def test_no_backward_sync_accumulates_like_reference_and_restores_sync(request, results, layouts):
     assert all(r[f"sync_{layout}"] for r in request.getfixturevalue(results) for layout in layouts)
 
 
-@pytest.mark.parametrize(("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])])
+@pytest.mark.parametrize(
+    ("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])]
+)
 def test_meta_device_init_is_materialized_consistently_on_every_rank(request, results, layouts):
     assert all(r[f"meta_{layout}"]["params"] > 0 for r in request.getfixturevalue(results) for layout in layouts)
 

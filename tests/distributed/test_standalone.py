@@ -29,7 +29,7 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float = 240) -> None:
             for q in procs:
                 q.kill()
             raise
-    failed = [o for p, o in zip(procs, outputs) if p.returncode != 0]
+    failed = [o for p, o in zip(procs, outputs, strict=True) if p.returncode != 0]
     assert not failed, "torchrun failed:\n" + "\n".join(o[-4000:] for o in failed)
 
 

@@ -37,7 +37,9 @@ class Counter:
 def test_stateful_objects_are_restored_in_place_and_the_rest_returned():
     counter = Counter()
     state = {"counter": counter, "step": 0}
-    remainder = restore_metadata({"counter": counter, "step": 0}, state, {"counter": {"n": 7}, "step": 5, "x": 1}, True, "p")
+    remainder = restore_metadata(
+        {"counter": counter, "step": 0}, state, {"counter": {"n": 7}, "step": 5, "x": 1}, True, "p"
+    )
     assert state["counter"] is counter and counter.n == 7 and state["step"] == 5
     assert remainder == {"x": 1}
 

@@ -20,7 +20,7 @@ def test_clip_grad_norm_equals_torch_on_plain_tensors(norm_type):
     got = clip_grad_norm(ours, max_norm=0.5, norm_type=norm_type)
     want = torch.nn.utils.clip_grad_norm_(theirs, max_norm=0.5, norm_type=norm_type)
     torch.testing.assert_close(got, want)
-    for a, b in zip(ours[:2], theirs[:2]):
+    for a, b in zip(ours[:2], theirs[:2], strict=True):
         torch.testing.assert_close(a.grad, b.grad)
 
 
@@ -28,7 +28,7 @@ def test_clip_grad_value_equals_torch_on_plain_tensors():
     ours, theirs = _params(), _params()
     clip_grad_value(ours, 0.3)
     torch.nn.utils.clip_grad_value_(theirs, 0.3)
-    for a, b in zip(ours[:2], theirs[:2]):
+    for a, b in zip(ours[:2], theirs[:2], strict=True):
         torch.testing.assert_close(a.grad, b.grad)
 
 

@@ -43,7 +43,9 @@ def test_a_given_size_that_does_not_divide_the_world_lists_the_divisors():
 
 
 def test_auto_sizes_that_disagree_with_the_world_size_say_so():
-    with pytest.raises(ValueError, match=r"number of nodes \(2\) x devices per node \(4\) = 8, but the world size is 4"):
+    with pytest.raises(
+        ValueError, match=r"number of nodes \(2\) x devices per node \(4\) = 8, but the world size is 4"
+    ):
         resolve("auto", "auto", world=4, nodes=2, per_node=4)
 
 

@@ -52,6 +52,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables as non-persistent buffers: recomputed on materialization, never checkpointed."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta

@@ -1,6 +1,7 @@
 """Tensor-parallel plan and FSDP2 wrapping for Llama-style models (torchtitan's module naming).
 
-Order: tensor parallelism on the ``tensor_parallel`` axis first, then ``fully_shard`` bottom-up (each block, then the root) on the ``data_parallel`` axis.
+Order: tensor parallelism on the ``tensor_parallel`` axis first, then ``fully_shard`` bottom-up (each
+block, then the root) on the ``data_parallel`` axis.
 Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each block costs one
 all-reduce forward and one backward. The shapes are checked against the TP size before anything is
 sharded, so a bad combination fails with the numbers instead of a shape error deep in a forward pass.
@@ -89,4 +90,3 @@ def parallelize_llama(
         fully_shard(block, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     return model
-

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's second command (and what CI runs): set up .venv with the dev extras, check style and
+# types, then run every test. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS=dev bash scripts/setup-env.sh
+.venv/bin/ruff check src tests examples benchmarks
+.venv/bin/ruff format --check src tests examples benchmarks
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"
