@@ -24,6 +24,7 @@ from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process
 from modelpar._grad_sync import GradientSyncControl
 from modelpar._materialize import materialize_module
 from modelpar._mesh import MeshLayout, SizeArg, check_size_arg
+from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class ParallelCore:
         save_distributed_checkpoint: bool,
         process_group_backend: str | None,
         timeout: timedelta | None,
+        async_save: bool = False,
     ) -> None:
         # Validate at construction: it runs identically on every rank and long before any collective.
         check_size_arg("data_parallel_size", data_parallel_size)
@@ -69,6 +71,7 @@ class ParallelCore:
         self.layout: MeshLayout | None = None
         self._device_mesh: DeviceMesh | None = None
         self.grad_sync = GradientSyncControl()
+        self.checkpointer = Checkpointer(async_save=async_save)
 
     # -- environment ---------------------------------------------------------------------------------
     def setup_distributed(

@@ -32,8 +32,6 @@ from modelpar._core import ParallelCore, ParallelizeFn
 from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, barrier, broadcast_object, detect_cluster
 from modelpar._mesh import SizeArg
 from modelpar._precision import check_precision
-from modelpar.checkpoint import detect_format, load_module_full_state, load_state, save_state
-from modelpar.checkpoint._format import CheckpointFormat
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,6 +86,8 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         save_distributed_checkpoint: ``True`` saves a reshardable folder of shards; ``False`` one full file.
         process_group_backend: defaults to NCCL on CUDA, gloo on CPU.
         timeout: for every collective; a hung rank fails after this instead of blocking forever.
+        async_save: return from ``save_checkpoint`` once the state is staged in CPU memory and write it in
+            the background; the next save, any load and ``teardown()`` wait for it.
         accelerator, parallel_devices, cluster_environment, precision: for standalone use; Fabric sets
             them otherwise. When left out standalone, they are detected (torchrun, SLURM, ...; CUDA or CPU;
             32-bit precision).
@@ -106,6 +106,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
+        async_save: bool = False,
     ) -> None:
         if parallelize_fn is None:
             raise TypeError(
@@ -121,6 +122,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            async_save=async_save,
         )
         ParallelStrategy.__init__(  # skip Lightning's __init__: its state is unused here
             self,
@@ -242,7 +244,8 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Release the environment; unlike Lightning 2.6.6 this does not touch the (absent) ``checkpoint_io``."""
+        """Finish background saves and release the environment (never touching the absent ``checkpoint_io``)."""
+        self._core.checkpointer.wait()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision.teardown()
@@ -316,7 +319,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
                 " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
             )
         path = Path(self.broadcast(str(path)))  # one path for all ranks, even if they computed different ones
-        save_state(
+        self._core.checkpointer.save(
             path,
             state,
             full=not self._core.save_distributed_checkpoint,
@@ -339,20 +342,15 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
                 " object to restore is needed, like `load_checkpoint(path, state={'model': model, ...})`."
             )
         path = Path(self.broadcast(str(path)))
+        checkpointer = self._core.checkpointer
         if isinstance(state, nn.Module):
-            if detect_format(path) is not CheckpointFormat.FULL:
-                raise ValueError(
-                    f"Loading a distributed checkpoint folder ({str(path)!r}) straight into a module is not"
-                    " supported; pass `state={'model': model}` so the model's key in the checkpoint is known."
-                )
-            full_state = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-            load_module_full_state(state, full_state, strict=strict)
+            checkpointer.load_raw(path, state, strict=strict, weights_only=weights_only)
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(
                 f"Loading a bare optimizer with `{type(self).__name__}` is not supported; pass"
                 " `state={'optimizer': optimizer}` instead."
             )
-        return load_state(
+        return checkpointer.load(
             path, state, strict=strict, weights_only=weights_only, known_modules=list(self._set_up_modules)
         )

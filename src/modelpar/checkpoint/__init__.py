@@ -1,10 +1,13 @@
 """Checkpoint formats: distributed (DCP folder, reshardable) and full (one file), chosen per save.
 
-The strategies call :func:`save_state` / :func:`load_state`; they are public for standalone use too.
+Saves are atomic (a checkpoint appears at its path only when complete) and optionally asynchronous;
+full files load into sharded models tensor by tensor. The strategies hold a :class:`Checkpointer`;
+:func:`save_state` / :func:`load_state` serve standalone scripts.
 """
 
 from modelpar.checkpoint._api import load_state, save_state
-from modelpar.checkpoint._format import CheckpointFormat, detect_format
-from modelpar.checkpoint._io import load_module_full_state
+from modelpar.checkpoint._checkpointer import Checkpointer
+from modelpar.checkpoint._format import CheckpointFormat
+from modelpar.checkpoint._io import detect as detect_format
 
-__all__ = ["CheckpointFormat", "detect_format", "load_module_full_state", "load_state", "save_state"]
+__all__ = ["CheckpointFormat", "Checkpointer", "detect_format", "load_state", "save_state"]

@@ -1,4 +1,8 @@
-"""The two entry points the strategies use: ``save_state`` and ``load_state`` on a user state dict."""
+"""Checkpoints without a strategy: ``save_state`` / ``load_state`` for standalone scripts and tools.
+
+Both are collective when a process group exists (call them on every rank) and work in a single process
+without one. They save synchronously; for background saves hold a :class:`Checkpointer` yourself.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from modelpar.checkpoint import _io
-from modelpar.checkpoint._state import FilterFns, split_state
+from modelpar.checkpoint._checkpointer import Checkpointer
+from modelpar.checkpoint._state import FilterFns
 
 __all__ = ["load_state", "save_state"]
 
@@ -22,11 +26,11 @@ def save_state(
     filter: FilterFns | None = None,
     known_modules: Sequence[nn.Module] = (),
 ) -> None:
-    """Save models, optimizers and metadata in ``state`` to ``path``; collective, call on every rank.
+    """Save models, optimizers and metadata in ``state`` to ``path`` (atomically).
 
     ``known_modules``: models set up elsewhere (by a strategy) that an optimizer in ``state`` may belong to.
     """
-    _io.save(Path(path), split_state(state, known_modules), full=full, filters=filter)
+    Checkpointer().save(path, state, full=full, filter=filter, known_modules=known_modules)
 
 
 def load_state(
@@ -42,4 +46,4 @@ def load_state(
     ``weights_only`` goes to ``torch.load`` for the metadata: ``None`` means torch's default (``True``),
     which refuses arbitrary pickled objects; pass ``False`` only for checkpoints you trust.
     """
-    return _io.load(Path(path), split_state(state, known_modules), state, strict=strict, weights_only=weights_only)
+    return Checkpointer().load(path, state, strict=strict, weights_only=weights_only, known_modules=known_modules)

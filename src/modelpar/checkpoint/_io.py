@@ -1,24 +1,23 @@
-"""Saving and loading the two checkpoint formats with torch.distributed.checkpoint (DCP).
+"""Reading and writing the two checkpoint formats with torch.distributed.checkpoint (DCP).
 
 * distributed: a folder of DCP shards plus ``meta.pt`` with the non-tensor state (rank 0). Every rank
   writes only what it owns, and DCP reshards on load, so the folder loads on any mesh layout.
 * full: one ``torch.save`` file written by rank 0 with full (unsharded) state dicts, optimizer state keyed
   by parameter name, and the metadata at the top level.
 
-Every function here is collective: all ranks call it with the same arguments.
+Where a checkpoint comes from and when it becomes visible is :mod:`modelpar.checkpoint._checkpointer`'s
+business; this module only turns states into bytes and back. Every function is collective unless noted.
 """
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,43 +25,37 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
-from modelpar.checkpoint._format import USER_METADATA, CheckpointFormat, detect_format
+from modelpar.checkpoint._commit import describe_leftovers
+from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._state import FilterFns, SplitState, apply_filter, metadata_of, restore_metadata
+from modelpar.checkpoint._stream import check_shapes, load_full_model_state, load_full_optimizer_state
 
-__all__ = ["load", "load_module_full_state", "save"]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+__all__ = ["detect", "gather_state", "load", "load_raw_module"]
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _clear_conflicting(path: Path, want_dir: bool) -> None:
-    """Replace a file by a folder (or back) once, on rank 0, then let everyone through.
-
-    Lightning 2.6.6 removes the old entry on every rank at once, which races and can fail.
-    """
-    if _rank() == 0:
-        if want_dir and path.is_file():
-            path.unlink()
-        elif not want_dir and path.is_dir():
-            shutil.rmtree(path)
-    _barrier()
-
-
-def save(path: Path, split: SplitState, *, full: bool, filters: FilterFns | None = None) -> None:
-    """Write ``split`` to ``path`` in the distributed (folder) or full (single file) format."""
-    if not split.modules and not split.optimizers:
+def detect(path: Path) -> CheckpointFormat:
+    """The format at ``path``; errors name the path, interrupted saves beside it, and what was expected."""
+    if path.is_file():
+        return CheckpointFormat.FULL
+    if path.is_dir():
+        if (path / DCP_METADATA).is_file():
+            return CheckpointFormat.DISTRIBUTED
+        if any(path.glob("*.distcp")):
+            raise ValueError(
+                f"The checkpoint {str(path)!r} is incomplete: it has shard files but no {DCP_METADATA!r}, so the"
+                " save that wrote it did not finish. Load an earlier checkpoint."
+            )
         raise ValueError(
-            "The checkpoint state contains no model and no optimizer. Pass them in like"
-            " `save(path, {'model': model, 'optimizer': optimizer, ...})`, set up through the strategy first."
+            f"The folder {str(path)!r} is not a distributed checkpoint: it has no {DCP_METADATA!r} file. Point to"
+            " a folder written by `save_checkpoint` (or torch.distributed.checkpoint), or to a single-file"
+            f" checkpoint.{describe_leftovers(path)}"
         )
+    raise FileNotFoundError(f"No checkpoint at {str(path)!r}: the path does not exist.{describe_leftovers(path)}")
+
+
+def gather_state(split: SplitState, *, full: bool, filters: FilterFns | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensor state, metadata): sharded state dicts, or full ones gathered to CPU for the single-file format."""
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     tensors: dict[str, Any] = {}
     for key, module in split.modules.items():
@@ -70,39 +63,79 @@ def save(path: Path, split: SplitState, *, full: bool, filters: FilterFns | None
     for key, (optimizer, owner) in split.optimizers.items():
         tensors[key] = apply_filter(key, filters, get_optimizer_state_dict(owner, optimizer, options=options))
     metadata = {k: apply_filter(k, filters, v) for k, v in metadata_of(split.other).items()}
-    _clear_conflicting(path, want_dir=not full)
-    if full:
-        if _rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({**tensors, **metadata}, path)
-    else:
-        dcp.save(tensors, checkpoint_id=path)
-        if _rank() == 0:
-            torch.save(metadata, path / USER_METADATA)
-    _barrier()
+    return tensors, metadata
 
 
 def load(
     path: Path, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     """Restore models, optimizers and metadata from ``path`` (format detected); return the unrequested rest."""
-    fmt = detect_format(path)
-    if fmt is CheckpointFormat.DISTRIBUTED:
+    if detect(path) is CheckpointFormat.DISTRIBUTED:
         return _load_distributed(path, split, state, strict=strict, weights_only=weights_only)
-    return _load_full(path, split, state, strict=strict, weights_only=weights_only)
+    checkpoint = _torch_load(path, weights_only)
+    for key, module in split.modules.items():
+        if key not in checkpoint:
+            _missing(path, key, strict, list(checkpoint))
+            continue
+        load_full_model_state(module, checkpoint.pop(key), strict=strict, where=f"{str(path)!r} [{key!r}]")
+    for key, (optimizer, owner) in split.optimizers.items():
+        if key not in checkpoint:
+            _missing(path, key, strict, list(checkpoint))
+            continue
+        where = f"{str(path)!r} [{key!r}]"
+        load_full_optimizer_state(owner, optimizer, checkpoint.pop(key), strict=strict, where=where)
+    return restore_metadata(split.other, state, checkpoint, strict, str(path))
 
 
-def _saved_keys(path: Path) -> set[str]:
-    return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+def _missing(path: Path, key: str, strict: bool, present: list[str]) -> None:
+    if strict:
+        raise KeyError(
+            f"The checkpoint {str(path)!r} has no entry {key!r} (it has: {', '.join(map(repr, present)) or 'nothing'})."
+            " Pass `strict=False` to skip it."
+        )
+
+
+def _torch_load(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    # mmap: every rank maps the file instead of reading a private copy of the whole model into memory.
+    try:
+        loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError ... for bad files
+        raise ValueError(
+            f"The checkpoint file {str(path)!r} cannot be read ({type(err).__name__}: {err}). It is truncated,"
+            " corrupt, or holds objects that `weights_only=True` refuses (pass `weights_only=False` only for"
+            " files you trust)."
+        ) from err
+    if not isinstance(loaded, dict):
+        raise ValueError(f"The checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a dict of state.")
+    return loaded
+
+
+def _read_metadata(path: Path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:
+        raise ValueError(f"The checkpoint {str(path)!r} has an unreadable {DCP_METADATA!r} file: {err}") from err
+
+
+def _dcp_load(state: dict[str, Any], path: Path, strict: bool) -> None:
+    try:
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except Exception as err:  # DCP raises the same CheckpointException on every rank
+        raise ValueError(f"Reading the checkpoint {str(path)!r} failed: it is truncated or corrupt ({err}).") from err
 
 
 def _load_distributed(
     path: Path, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
-    saved = _saved_keys(path)
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
+    saved = _read_metadata(path).state_dict_metadata
     for key, module in split.modules.items():
         module_state = get_model_state_dict(module)
+        shapes = {
+            k[len(key) + 1 :]: m.size
+            for k, m in saved.items()
+            if k.startswith(f"{key}.") and isinstance(m, TensorStorageMetadata)
+        }
+        check_shapes(module_state, shapes, f"{str(path)!r} [{key!r}]")
         missing = [name for name in module_state if f"{key}.{name}" not in saved]
         if strict and missing:
             raise KeyError(
@@ -110,59 +143,32 @@ def _load_distributed(
                 f" ({len(missing)} missing in all). Pass `strict=False` to load the rest."
             )
         module_state = {k: v for k, v in module_state.items() if k not in missing}
-        dcp.load({key: module_state}, checkpoint_id=path, planner=planner)
+        _dcp_load({key: module_state}, path, strict)
         set_model_state_dict(module, module_state, options=StateDictOptions(strict=False))
     for key, (optimizer, owner) in split.optimizers.items():
         if not any(k.startswith(f"{key}.") for k in saved):
-            if strict:
-                raise KeyError(f"The checkpoint {str(path)!r} has no optimizer state under {key!r}.")
+            _missing(path, key, strict, sorted({k.split(".")[0] for k in saved}))
             continue
         optim_state = get_optimizer_state_dict(owner, optimizer)
-        dcp.load({key: optim_state}, checkpoint_id=path, planner=planner)
+        _dcp_load({key: optim_state}, path, strict)
         set_optimizer_state_dict(owner, optimizer, optim_state)
     meta_path = path / USER_METADATA
-    saved_meta: dict[str, Any] = torch.load(meta_path, weights_only=weights_only) if meta_path.is_file() else {}
+    saved_meta: dict[str, Any] = _torch_load(meta_path, weights_only) if meta_path.is_file() else {}
     return restore_metadata(split.other, state, saved_meta, strict, str(path))
 
 
-def _load_full(
-    path: Path, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
-) -> dict[str, Any]:
-    # mmap: every rank maps the file instead of reading a private copy of the whole model into memory.
-    checkpoint: dict[str, Any] = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    for key, module in split.modules.items():
-        if key not in checkpoint:
-            if strict:
-                raise KeyError(f"The checkpoint {str(path)!r} has no model state under {key!r}.")
-            continue
-        load_module_full_state(module, checkpoint.pop(key), strict=strict)
-    for key, (optimizer, owner) in split.optimizers.items():
-        if key not in checkpoint:
-            if strict:
-                raise KeyError(f"The checkpoint {str(path)!r} has no optimizer state under {key!r}.")
-            continue
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_optimizer_state_dict(owner, optimizer, checkpoint.pop(key), options=options)
-    return restore_metadata(split.other, state, checkpoint, strict, str(path))
-
-
-def load_module_full_state(module: nn.Module, full_state: Mapping[str, Any], *, strict: bool) -> None:
-    """Load a full (unsharded) state dict into a sharded or plain module, one tensor at a time.
-
-    One tensor at a time keeps the extra memory near the largest tensor when ``full_state`` is memory-mapped.
-    """
-    if not any(isinstance(p, DTensor) for p in module.parameters()):
-        module.load_state_dict(full_state, strict=strict)
+def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only: bool | None) -> None:
+    """Load weights only into ``module`` (sharded or plain): a raw state-dict file, or a model in a folder."""
+    if detect(path) is CheckpointFormat.FULL:
+        load_full_model_state(module, _torch_load(path, weights_only), strict=strict, where=repr(str(path)))
         return
-    expected = get_model_state_dict(module)
-    missing = [k for k in expected if k not in full_state]
-    unexpected = [k for k in full_state if k not in expected]
-    if strict and (missing or unexpected):
-        raise KeyError(
-            f"The full state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}."
-            " Pass `strict=False` to load the matching entries only."
+    saved = _read_metadata(path).state_dict_metadata
+    names = list(get_model_state_dict(module))
+    prefixes = sorted({k.split(".")[0] for k in saved if names and k.endswith("." + names[0])})
+    if len(prefixes) != 1:
+        raise ValueError(
+            f"Cannot tell which model in the distributed checkpoint {str(path)!r} to load: entries matching the"
+            f" module's parameters sit under {prefixes or 'no key'}. Load with `state={{'<key>': model}}` instead."
         )
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    for name in expected:
-        if name in full_state:
-            set_model_state_dict(module, {name: full_state[name]}, options=options)
+    split = SplitState(modules={prefixes[0]: module})
+    _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)

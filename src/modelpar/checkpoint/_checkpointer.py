@@ -1,0 +1,196 @@
+"""The ``Checkpointer``: atomic saves, optional asynchronous writing, and loads that wait for both.
+
+One instance per strategy (held by the shared core), so Fabric, the Trainer and standalone scripts get the
+same guarantees:
+
+* a checkpoint appears at its path only when complete (see :mod:`modelpar.checkpoint._commit`);
+* with ``async_save=True``, ``save`` returns once the state is staged (copied to CPU memory) and the writing
+  goes on in a background thread over a dedicated gloo process group, so it never interleaves with the
+  training's own collectives; the next ``save``, any ``load`` and ``wait()`` (called by teardown) wait for it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from modelpar.checkpoint import _io
+from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA
+from modelpar.checkpoint._state import FilterFns, split_state
+
+__all__ = ["Checkpointer"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+class Checkpointer:
+    """Saves and loads checkpoints for one run; collective: every rank calls the same methods in order."""
+
+    def __init__(self, *, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._pending: Future[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._async_group: Any = None
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def save(
+        self,
+        path: str | Path,
+        state: Mapping[str, Any],
+        *,
+        full: bool,
+        filter: FilterFns | None = None,
+        known_modules: Sequence[nn.Module] = (),
+    ) -> None:
+        """Save models, optimizers and metadata in ``state`` to ``path`` in the distributed or full format."""
+        self.wait()
+        path = Path(path)
+        split = split_state(state, known_modules)
+        if not split.modules and not split.optimizers:
+            raise ValueError(
+                "The checkpoint state contains no model and no optimizer. Pass them in like"
+                " `save(path, {'model': model, 'optimizer': optimizer, ...})`, set up through the strategy first."
+            )
+        token, problem = _broadcast(self._prepare(path) if _rank() == 0 else None)
+        if problem:
+            raise IsADirectoryError(problem)
+        tensors, metadata = _io.gather_state(split, full=full, filters=filter)
+        staged = staging_path(path, token)
+        if full:
+            if _rank() == 0:
+                payload = {**tensors, **metadata}
+                if self.async_save:  # the training goes on while the file is written: write a snapshot
+                    payload = _snapshot(payload, [*split.modules.values(), *known_modules])
+                self._run(lambda: _write_file(payload, staged, path, token))
+            if not self.async_save:
+                _barrier()
+            return
+        if _rank() == 0:
+            staged.mkdir(parents=True, exist_ok=True)  # other ranks' DCP writers may create it first
+            torch.save(metadata, staged / USER_METADATA)
+        if not self.async_save:
+            dcp.save(tensors, checkpoint_id=staged)
+            if _rank() == 0:
+                commit(path, staged, token)
+            _barrier()
+            return
+        # DCP stages (copies) the tensors before returning; only the writing continues in the background.
+        written: Any = dcp.async_save(tensors, checkpoint_id=staged, process_group=self._group())
+        is_coordinator = _rank() == 0
+
+        def finish() -> None:
+            written.result()  # on rank 0 this returns after every rank's shards and .metadata are written
+            if is_coordinator:
+                commit(path, staged, token)
+
+        self._run(finish)
+
+    def _prepare(self, path: Path) -> tuple[str, str | None]:
+        """Rank 0: a token for the staging name, after checking that ``path`` may be replaced."""
+        if path.is_dir() and not (path / DCP_METADATA).is_file():
+            return "", (
+                f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint, and saving would"
+                " replace it. Choose a path inside it, or a new path."
+            )
+        token = new_token()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path)
+        return token, None
+
+    def _run(self, job: Callable[[], None]) -> None:
+        if not self.async_save:
+            job()
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelpar-ckpt")
+        self._pending = self._executor.submit(job)
+
+    def _group(self) -> Any:
+        """A gloo group for background writes: never shares a communicator with the training's collectives."""
+        if self._async_group is None and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def wait(self) -> None:
+        """Block until a background save has finished (re-raising its error, if any)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    # -- loading -----------------------------------------------------------------------------------------
+    def load(
+        self,
+        path: str | Path,
+        state: dict[str, Any],
+        *,
+        strict: bool = True,
+        weights_only: bool | None = None,
+        known_modules: Sequence[nn.Module] = (),
+    ) -> dict[str, Any]:
+        """Restore ``state`` from ``path`` (models, optimizers and stateful objects in place); return the rest."""
+        self._settle()
+        split = split_state(state, known_modules)
+        return _io.load(Path(path), split, state, strict=strict, weights_only=weights_only)
+
+    def load_raw(
+        self, path: str | Path, module: nn.Module, *, strict: bool = True, weights_only: bool | None = None
+    ) -> None:
+        """Load weights into ``module`` from a raw state-dict file or a distributed folder."""
+        self._settle()
+        _io.load_raw_module(Path(path), module, strict=strict, weights_only=weights_only)
+
+    def _settle(self) -> None:
+        """Wait for our own background save, then for everyone's: rank 0 commits after its own write."""
+        had_pending = self._pending is not None
+        self.wait()
+        if had_pending:
+            _barrier()
+
+
+def _snapshot(payload: dict[str, Any], modules: Sequence[nn.Module]) -> dict[str, Any]:
+    """Deep-copy user metadata, and clone tensors that still share storage with a live module.
+
+    Gathered full tensors are fresh CPU copies already; a plain CPU parameter or buffer is not, and the
+    optimizer would change it under the background writer.
+    """
+    live = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
+
+    def own(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone() if value.untyped_storage().data_ptr() in live else value
+        if isinstance(value, dict):
+            return {k: own(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(own(v) for v in value)
+        return copy.deepcopy(value)
+
+    return {k: own(v) for k, v in payload.items()}
+
+
+def _write_file(payload: dict[str, Any], staged: Path, path: Path, token: str) -> None:
+    torch.save(payload, staged)
+    commit(path, staged, token)

@@ -1,0 +1,100 @@
+"""Atomic commit: a checkpoint appears at its path only once it is complete.
+
+Every save writes into a staging entry beside the target, ``.<name>.partial-<token>`` (a folder for the
+distributed format, a file for the full one). Only when everything is written does rank 0 move the old
+checkpoint aside (``.<name>.old-<token>``), rename the staging entry to the target, and delete the old one.
+Renames within a folder are atomic, so a crash or kill at any point leaves either the previous checkpoint
+or the new one at the path, never a mix. The leftovers of an interrupted save are recognised by name: load
+reports them, and the next save to the same path removes them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+__all__ = ["commit", "describe_leftovers", "new_token", "remove_stale", "staging_path"]
+
+_PARTIAL = ".partial-"
+_OLD = ".old-"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def staging_path(path: Path, token: str) -> Path:
+    return path.parent / f".{path.name}{_PARTIAL}{token}"
+
+
+def _aside_path(path: Path, token: str) -> Path:
+    return path.parent / f".{path.name}{_OLD}{token}"
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    elif entry.exists() or entry.is_symlink():
+        entry.unlink(missing_ok=True)
+
+
+def _leftovers(path: Path, marker: str) -> list[Path]:
+    if not path.parent.is_dir():
+        return []
+    return sorted(path.parent.glob(f".{path.name}{marker}*"))
+
+
+def remove_stale(path: Path, keep_token: str | None = None) -> None:
+    """Delete what interrupted saves to ``path`` left behind (rank 0 only, before a new save)."""
+    for entry in _leftovers(path, _PARTIAL):
+        if keep_token is None or not entry.name.endswith(keep_token):
+            _remove(entry)
+    if path.exists():  # an ".old" entry only matters while the path itself is missing
+        for entry in _leftovers(path, _OLD):
+            _remove(entry)
+
+
+def commit(path: Path, staged: Path, token: str) -> None:
+    """Replace whatever is at ``path`` (file or folder) with ``staged`` (rank 0 only)."""
+    aside = _aside_path(path, token)
+    had_previous = path.exists() or path.is_symlink()
+    if had_previous:
+        os.replace(path, aside)
+    os.replace(staged, path)
+    if had_previous:
+        _remove(aside)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames durable, where the platform allows opening a folder."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def describe_leftovers(path: Path) -> str:
+    """A sentence about interrupted saves to ``path``, or ``""`` if there are none (for error messages)."""
+    partial = _leftovers(path, _PARTIAL)
+    old = _leftovers(path, _OLD) if not path.exists() else []
+    notes = []
+    if old:
+        notes.append(
+            f" A save was interrupted while replacing it: the previous checkpoint is intact at {str(old[-1])!r};"
+            " rename it back to use it."
+        )
+    if partial:
+        notes.append(
+            f" An incomplete save (interrupted before it finished) is at {str(partial[-1])!r}; it cannot be"
+            " loaded and the next save to this path removes it."
+        )
+    return "".join(notes)
