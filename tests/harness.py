@@ -118,3 +118,38 @@ def _drain(out: Any, results: dict[int, Any], failures: dict[int, str], wait: fl
     except queue.Empty:
         return
     (results if ok else failures)[rank] = payload
+
+
+def run_and_kill_when(
+    fn: Callable[..., Any], world_size: int, *args: Any, condition: Callable[[], bool], timeout: float = 120.0
+) -> None:
+    """Start ``fn`` on ``world_size`` processes and SIGKILL them all as soon as ``condition()`` holds.
+
+    For crash tests: the condition watches the file system for a save in progress. Raises if the
+    processes finish, or the deadline passes, before the condition is seen.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, launcher_env(r, world_size, 1, port), args, out), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not condition():
+            if all(not p.is_alive() for p in procs):
+                errors = []
+                while not out.empty():
+                    errors.append(out.get())
+                raise AssertionError(f"the processes ended before the condition was seen: {errors}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not seen within {timeout:.0f}s")
+            time.sleep(0.002)
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join(timeout=10)

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from parity import global_batches, lm_loss, make_fabric, reference_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from harness import run_distributed
 from modelpar.checkpoint import load_state, save_state
+from parity import global_batches, lm_loss, make_fabric, reference_model
 
 LR = 1e-2
 
@@ -87,6 +87,7 @@ def grid_four(root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"loaded": _load_all_then_save(root, 4, ["1p", "2x1", "1x2"], save=True)}
     out["cross"] = _load_all_then_save(root, 4, ["2x2", "4x1", "1x4"], save=False)
     out.update(case_full_format(root), **case_stateful_filter_and_errors(root))
+    out.update(case_async_snapshots(root), **case_several_models_and_bad_files(root))
     return out
 
 
@@ -123,6 +124,13 @@ def case_full_format(root: Path) -> dict[str, Any]:
     fabric.strategy._core.save_distributed_checkpoint = True
     fabric.save(root / "swap", {"model": model})
     return {"swap": [swapped_to_file, (root / "swap" / ".metadata").is_file()]}
+
+
+class Tag:
+    """A custom, non-stateful object: pickled as is, so loading it needs `weights_only=False`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
 class Counter:
@@ -183,6 +191,101 @@ def case_stateful_filter_and_errors(root: Path) -> dict[str, Any]:
     return out
 
 
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in gathered(model, torch.optim.SGD(model.parameters(), lr=0.1))[0].items()}
+
+
+def case_async_snapshots(root: Path) -> dict[str, Any]:
+    """An async save returns at once; changes made right after it do not leak into the checkpoint."""
+    out = {}
+    for distributed in (True, False):
+        tag = "dist" if distributed else "full"
+        fabric = make_fabric(2, 2, world_size=4, num_nodes=2, save_distributed_checkpoint=distributed, async_save=True)
+        model, opt = fresh(fabric)
+        at_save = _weights(model)
+        meta = {"seen": [1]}
+        fabric.save(root / f"async-{tag}", {"model": model, "optimizer": opt, "meta": meta})
+        with torch.no_grad():  # training goes on while the checkpoint is written
+            for p in model.parameters():
+                p.add_(1.0)
+        meta["seen"].append(2)
+        fabric.save(root / f"async-{tag}", {"model": model, "optimizer": opt, "meta": meta})  # waits, then saves
+        after_second = _weights(model)
+        model2, opt2 = fresh(fabric)
+        state = {"model": model2, "optimizer": opt2, "meta": None}
+        fabric.load(root / f"async-{tag}", state)  # waits for the background write
+        torch.testing.assert_close(_weights(model2), after_second, atol=0, rtol=0)
+        assert state["meta"] == {"seen": [1, 2]}
+        assert any(not torch.equal(after_second[k], at_save[k]) for k in at_save)
+        # the snapshot taken by the first save is what a save-then-mutate sequence writes
+        fabric.save(root / f"async-snap-{tag}", {"model": model})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0)
+        fabric.strategy.teardown()  # waits for the background write
+        model3, _ = fresh(fabric)
+        fabric.load(root / f"async-snap-{tag}", {"model": model3})
+        torch.testing.assert_close(_weights(model3), after_second, atol=0, rtol=0)
+        out[f"async_{tag}"] = True
+    return out
+
+
+def case_several_models_and_bad_files(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for distributed in (True, False):
+        tag = "dist" if distributed else "full"
+        fabric = make_fabric(2, 2, world_size=4, num_nodes=2, save_distributed_checkpoint=distributed)
+        gen, gen_opt = fresh(fabric)
+        disc = fabric.setup_module(reference_model(seed=3))
+        disc_opt = fabric.setup_optimizers(torch.optim.AdamW(disc.parameters(), lr=LR))
+        fabric.save(root / f"two-{tag}", {"gen": gen, "gen_opt": gen_opt, "disc": disc, "disc_opt": disc_opt})
+        gen2, gen_opt2 = fresh(fabric)
+        disc2, disc_opt2 = fresh(fabric)
+        fabric.load(root / f"two-{tag}", {"gen": gen2, "gen_opt": gen_opt2, "disc": disc2, "disc_opt": disc_opt2})
+        torch.testing.assert_close(_weights(gen2), _weights(gen), atol=0, rtol=0)
+        torch.testing.assert_close(_weights(disc2), _weights(disc), atol=0, rtol=0)
+        # load_raw: the model's key is found in a folder; a raw file is a plain state dict
+        if distributed:
+            with pytest.raises(ValueError, match=r"Cannot tell which model .* under \['disc', 'gen'\]"):
+                fabric.load_raw(root / f"two-{tag}", gen2)
+            fabric.save(root / "one-model", {"model": disc})
+            fabric.load_raw(root / "one-model", gen2)
+            torch.testing.assert_close(_weights(gen2), _weights(disc), atol=0, rtol=0)
+        # a model of another shape: named key and both shapes, on every rank
+        from modelpar.models import Llama, LlamaConfig
+
+        other = fabric.setup_module(
+            Llama(LlamaConfig(vocab_size=128, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=64))
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"Shape mismatch for 'tok_embeddings.weight' .* checkpoint has \(64, 32\), the model expects \(128, 32\)",
+        ) as e:
+            fabric.load(root / f"two-{tag}", {"gen": other}, strict=False)
+        out[f"shape_{tag}"] = str(e.value)
+    # custom objects in metadata need weights_only=False
+    fabric.save(root / "custom-meta", {"model": gen, "obj": Tag("v1")})
+    with pytest.raises(ValueError, match=r"holds `test_checkpoint.Tag`, which loading with `weights_only=True`"):
+        fabric.load(root / "custom-meta", {"model": gen, "obj": None})
+    state = {"model": gen, "obj": None}
+    fabric.load(root / "custom-meta", state, weights_only=False)
+    assert isinstance(state["obj"], Tag) and state["obj"].name == "v1"
+    # a truncated file and a folder whose save never finished
+    if dist.get_rank() == 0:
+        data = (root / "full.pt").read_bytes()
+        (root / "truncated.pt").write_bytes(data[: len(data) // 2])
+        (root / "unfinished").mkdir(exist_ok=True)
+        for shard in (root / "2x2").glob("*.distcp"):
+            (root / "unfinished" / shard.name).write_bytes(shard.read_bytes())
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"truncated\.pt' cannot be read: it is truncated or corrupt"):
+        fabric.load(root / "truncated.pt", {"model": gen})
+    with pytest.raises(ValueError, match=r"unfinished' is incomplete: it has shard files but no '\.metadata'"):
+        fabric.load(root / "unfinished", {"model": gen})
+    out["bad_files"] = True
+    return out
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("ckpt")
@@ -235,3 +338,13 @@ def test_stateful_objects_restore_in_place_and_filtered_saves_load_with_strict_f
 def test_bad_paths_raise_the_same_clear_error_on_every_rank(matrix):
     errors = [r["errors"] for r in matrix["four"]]
     assert all(e == errors[0] for e in errors)
+
+
+def test_async_saves_write_the_state_at_save_time_and_are_awaited(matrix):
+    assert all(r["async_dist"] and r["async_full"] for r in matrix["four"])
+
+
+def test_several_models_with_their_optimizers_in_one_checkpoint_and_clear_errors_for_bad_files(matrix):
+    four = matrix["four"]
+    assert all(r["bad_files"] for r in four)
+    assert len({r["shape_dist"] for r in four}) == 1 and len({r["shape_full"] for r in four}) == 1

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from modelpar.checkpoint import _io
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
@@ -55,6 +56,7 @@ class Checkpointer:
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
+        self._unsettled = False  # an async save happened since the last load: the same on every rank
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
@@ -68,6 +70,7 @@ class Checkpointer:
     ) -> None:
         """Save models, optimizers and metadata in ``state`` to ``path`` in the distributed or full format."""
         self.wait()
+        self._unsettled = self.async_save
         path = Path(path)
         split = split_state(state, known_modules)
         if not split.modules and not split.optimizers:
@@ -164,10 +167,14 @@ class Checkpointer:
         _io.load_raw_module(Path(path), module, strict=strict, weights_only=weights_only)
 
     def _settle(self) -> None:
-        """Wait for our own background save, then for everyone's: rank 0 commits after its own write."""
-        had_pending = self._pending is not None
+        """Wait for our own background save, then for everyone's: rank 0 commits after its own write.
+
+        Whether to wait for the others is decided from state every rank shares (not from having pending
+        work: with the full format only rank 0 writes), so every rank enters the barrier or none does.
+        """
         self.wait()
-        if had_pending:
+        if self._unsettled:
+            self._unsettled = False
             _barrier()
 
 
@@ -177,7 +184,8 @@ def _snapshot(payload: dict[str, Any], modules: Sequence[nn.Module]) -> dict[str
     Gathered full tensors are fresh CPU copies already; a plain CPU parameter or buffer is not, and the
     optimizer would change it under the background writer.
     """
-    live = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for m in modules for t in (*m.parameters(), *m.buffers())]
+    live = {t.untyped_storage().data_ptr() for t in tensors}
 
     def own(value: Any) -> Any:
         if isinstance(value, torch.Tensor):

@@ -11,6 +11,8 @@ business; this module only turns states into bytes and back. Every function is c
 
 from __future__ import annotations
 
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +101,18 @@ def _torch_load(path: Path, weights_only: bool | None) -> dict[str, Any]:
     # mmap: every rank maps the file instead of reading a private copy of the whole model into memory.
     try:
         loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError ... for bad files
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        what = f"`{refused.group(1)}`" if refused else "a custom object"
         raise ValueError(
-            f"The checkpoint file {str(path)!r} cannot be read ({type(err).__name__}: {err}). It is truncated,"
-            " corrupt, or holds objects that `weights_only=True` refuses (pass `weights_only=False` only for"
-            " files you trust)."
+            f"The checkpoint file {str(path)!r} holds {what}, which loading with `weights_only=True` (torch's"
+            " default) refuses to unpickle. Pass `weights_only=False` if you trust the file, or allow the class"
+            " with `torch.serialization.add_safe_globals([...])`."
+        ) from err
+    except Exception as err:  # torch raises RuntimeError, EOFError ... for damaged files
+        raise ValueError(
+            f"The checkpoint file {str(path)!r} cannot be read: it is truncated or corrupt"
+            f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})."
         ) from err
     if not isinstance(loaded, dict):
         raise ValueError(f"The checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a dict of state.")

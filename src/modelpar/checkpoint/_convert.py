@@ -1,0 +1,437 @@
+"""Offline conversion between the two checkpoint formats: one process, no process group, bounded memory.
+
+``convert_to_file`` consolidates a distributed folder into one full file without ever holding the model.
+It first lays the file out (``torch.save`` under ``torch.serialization.skip_data`` reserves every tensor's
+bytes without writing them), then reads one tensor at a time from the folder with DCP into a buffer and
+writes it into its reserved place with plain file writes. Peak memory is about twice the largest tensor
+(DCP's read copy and our buffer; a third buffer when casting) on top of the interpreter, whatever the
+checkpoint size. (Memory-mapping the output or scratch files instead
+keeps *anonymous* memory low, but every page written stays mapped in the process and counts against its
+RSS and a container's limit until the whole file is saved.)
+
+``convert_to_distributed`` memory-maps a full file and saves it with DCP, non-tensor entries to ``meta.pt``.
+
+Both write into a staging entry beside the destination and rename it into place only when complete
+(:mod:`modelpar.checkpoint._commit`), so an interrupted conversion never leaves a half-written destination.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import struct
+import sys
+import time
+import warnings
+import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from typing_extensions import override
+
+from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
+from modelpar.checkpoint._inspect import (
+    format_size,
+    is_state_entry,
+    iter_tensors,
+    read_dcp_metadata,
+    read_full_checkpoint,
+    read_user_metadata,
+)
+from modelpar.checkpoint._io import detect
+
+__all__ = ["convert_to_distributed", "convert_to_file"]
+
+Path_ = tuple[str | int, ...]
+Kind = Literal["model", "optimizer", "other"]
+
+# Keyed by the format a direction reads; the message is for a source in the other one.
+_WRONG_SOURCE = {
+    CheckpointFormat.DISTRIBUTED: (
+        "The checkpoint {path!r} is a full checkpoint (one file), but `convert_to_file` converts a distributed"
+        " checkpoint folder into a file. To turn this file into a folder, use `convert_to_distributed`"
+        " (`modelpar convert SRC DST --to distributed`)."
+    ),
+    CheckpointFormat.FULL: (
+        "The checkpoint {path!r} is a distributed checkpoint (a folder), but `convert_to_distributed` converts a"
+        " full checkpoint file into a folder. To consolidate this folder into one file, use `convert_to_file`"
+        " (`modelpar convert SRC DST --to file`)."
+    ),
+}
+
+
+@dataclass(frozen=True)
+class _Item:
+    key: str  # DCP's flattened key, e.g. "optimizer.state.norm.weight.exp_avg"
+    path: Path_  # where it sits in the nested state, e.g. ("optimizer", "state", "norm.weight", "exp_avg")
+    meta: TensorStorageMetadata | BytesStorageMetadata
+
+    @property
+    def top(self) -> str:
+        return str(self.path[0])
+
+
+class _Progress:
+    """``done/total tensors, bytes done`` on one updating stderr line (TTY only), then one summary line."""
+
+    def __init__(self, enabled: bool, total: int, total_bytes: int) -> None:
+        self._stream = sys.stderr
+        self._enabled = enabled and self._stream is not None
+        self._live = self._enabled and self._stream.isatty()
+        self._total, self._total_bytes = total, total_bytes
+        self._done = self._done_bytes = 0
+        self._start = self._shown = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self._done, self._done_bytes = self._done + 1, self._done_bytes + nbytes
+        now = time.monotonic()
+        if self._live and (now - self._shown >= 0.1 or self._done >= self._total):
+            self._shown = now
+            self._stream.write(
+                f"\r{min(self._done, self._total)}/{self._total} tensors,"
+                f" {format_size(self._done_bytes)} of {format_size(self._total_bytes)}"
+            )
+            self._stream.flush()
+
+    def finish(self, dst: Path) -> None:
+        if not self._enabled:
+            return
+        seconds = time.monotonic() - self._start
+        end_live_line = "\n" if self._live else ""
+        self._stream.write(
+            f"{end_live_line}converted {self._total} tensors ({format_size(self._total_bytes)}) into {str(dst)!r}"
+            f" in {seconds:.1f} s\n"
+        )
+        self._stream.flush()
+
+
+def _check_paths(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, want: CheckpointFormat, overwrite: bool
+) -> tuple[Path, Path]:
+    """Validate before any work: the source exists in the format this direction reads; dst may be written."""
+    src_path, dst_path = Path(src), Path(dst)
+    if detect(src_path) is not want:  # detect raises FileNotFoundError / ValueError naming the path
+        raise ValueError(_WRONG_SOURCE[want].format(path=str(src_path)))
+    if dst_path.resolve() == src_path.resolve():
+        raise ValueError(
+            f"The destination {str(dst_path)!r} is the source checkpoint itself. Write the conversion to another"
+            " path, then replace the source if you want to."
+        )
+    if dst_path.exists() or dst_path.is_symlink():
+        if not overwrite:
+            raise FileExistsError(
+                f"The destination {str(dst_path)!r} already exists. Pass `overwrite=True` (`--overwrite` on the"
+                " command line) to replace it, or choose another path."
+            )
+        if dst_path.is_dir() and not (dst_path / DCP_METADATA).is_file():
+            raise IsADirectoryError(
+                f"Refusing to replace {str(dst_path)!r}: it is a folder that is not a checkpoint. Choose a path"
+                " inside it, or a new path."
+            )
+    return src_path, dst_path
+
+
+@contextmanager
+def _staged(dst: Path) -> Iterator[tuple[Path, str]]:
+    """A staging path beside ``dst`` that is removed unless the body commits it into place."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(dst)
+    token = new_token()
+    staged = staging_path(dst, token)
+    try:
+        yield staged, token
+    finally:
+        if staged.is_dir():
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            staged.unlink(missing_ok=True)
+
+
+@contextmanager
+def _single_process() -> Iterator[None]:
+    # DCP warns on every call without a process group; here that is the point, not a mistake.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+class _CachedReader(dcp.FileSystemReader):
+    """Reads ``.metadata`` once: DCP re-reads it on every ``load``, and conversion loads once per tensor."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+def _items(metadata: Metadata) -> list[_Item]:
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    items = []
+    for key, meta in metadata.state_dict_metadata.items():
+        path = planner_data.get(key)
+        items.append(_Item(key, tuple(path) if isinstance(path, (tuple, list)) and path else (key,), meta))
+    return items
+
+
+def _kinds(items: Sequence[_Item]) -> dict[str, Kind]:
+    """Per top-level key, from the shape of its nested paths alone.
+
+    A model state dict is flat (``(key, name)``), with tensors; an optimizer's paths run through ``"state"``
+    and ``"param_groups"`` (a list, so an index follows); anything else is "other".
+    """
+    groups: dict[str, list[_Item]] = {}
+    for item in items:
+        groups.setdefault(item.top, []).append(item)
+    kinds: dict[str, Kind] = {}
+    for top, group in groups.items():
+        seconds = {item.path[1] for item in group if len(item.path) > 1}
+        if all(len(i.path) == 2 for i in group) and any(isinstance(i.meta, TensorStorageMetadata) for i in group):
+            kinds[top] = "model"
+        elif "param_groups" in seconds and seconds <= {"state", "param_groups"}:
+            kinds[top] = "optimizer"
+        else:
+            kinds[top] = "other"
+    return kinds
+
+
+def _put(root: dict[str, Any], path: Path_, value: Any) -> None:
+    """Set ``value`` at ``path``, creating dicts for names and lists for indices (DCP flattens lists so)."""
+    node: Any = root
+    for depth, part in enumerate(path):
+        last = depth == len(path) - 1
+        fresh = value if last else ([] if isinstance(path[depth + 1], int) else {})
+        if isinstance(node, list) and isinstance(part, int):
+            node.extend([None] * (part + 1 - len(node)))
+            if last or node[part] is None:
+                node[part] = fresh
+        elif last:
+            node[part] = fresh
+        else:
+            node.setdefault(part, fresh)
+        node = node[part]
+
+
+def _get(root: Any, path: Path_) -> Any:
+    for part in path:
+        root = root[part]
+    return root
+
+
+def _dcp_load(state: dict[str, Any], reader: _CachedReader, src: Path) -> None:
+    try:
+        with _single_process():
+            dcp.load(
+                state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True
+            )
+    except (Exception, dcp.CheckpointException) as err:  # DCP wraps read errors in a BaseException subclass
+        raise ValueError(
+            f"Reading {', '.join(state)[:200]} from the checkpoint {str(src)!r} failed: it is truncated or corrupt"
+            f" ({type(err).__name__}: {err})."
+        ) from err
+
+
+def _data_records(path: Path) -> list[tuple[int, int]]:
+    """(offset, size) of every non-empty storage record in a ``torch.save`` zip file, in file order."""
+    records = []
+    with zipfile.ZipFile(path) as archive, path.open("rb") as file:
+        for info in archive.infolist():
+            if info.file_size and re.search(r"(^|/)data/\d+$", info.filename):
+                file.seek(info.header_offset)
+                name_length, extra_length = struct.unpack("<HH", file.read(30)[26:30])
+                records.append((info.header_offset + 30 + name_length + extra_length, info.file_size))
+    return sorted(records)
+
+
+def _storage_offsets(staged: Path, paths: Sequence[Path_]) -> list[int | None]:
+    """Where each tensor's bytes go in the laid-out file (``None``: empty, nothing to write).
+
+    The file memory-mapped (nothing is read) puts each storage at ``base + offset``, and the zip directory
+    lists the records' offsets; both in file order, they pair up, and sizes and spacing must agree exactly.
+    """
+    # weights_only=False: our own file, whose non-tensor values DCP has just unpickled from the same source.
+    mapped = torch.load(staged, mmap=True, map_location="cpu", weights_only=False)
+    storages = [_get(mapped, path).untyped_storage() for path in paths]
+    placed = sorted((s.data_ptr(), s.nbytes(), i) for i, s in enumerate(storages) if s.nbytes())
+    records = _data_records(staged)
+    consistent = len(placed) == len(records) and all(
+        size == record_size and ptr - offset == placed[0][0] - records[0][0]
+        for (ptr, size, _), (offset, record_size) in zip(placed, records, strict=True)
+    )
+    if not consistent:
+        raise RuntimeError(
+            f"The file layout `torch.save` wrote to {str(staged)!r} is not the one expected ({len(records)} records"
+            f" for {len(placed)} tensors). Please report this with your torch version ({torch.__version__})."
+        )
+    offsets: list[int | None] = [None] * len(paths)
+    for (_, _, index), (offset, _) in zip(placed, records, strict=True):
+        offsets[index] = offset
+    return offsets
+
+
+class _Buffer:
+    """One allocation reused for every tensor, grown to the largest.
+
+    A fresh tensor per read would do the same work, but glibc serves allocations under 32 MiB from its heap
+    once a freed block of that size raised its mmap threshold, and the heap fragments: resident memory then
+    creeps up to several tensors' worth instead of one.
+    """
+
+    def __init__(self) -> None:
+        self._storage = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = shape.numel() * dtype.itemsize
+        if nbytes > self._storage.numel():
+            self._storage = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
+            self._storage = torch.empty(nbytes, dtype=torch.uint8)
+        return self._storage[:nbytes].view(dtype).view(shape)
+
+
+def _write_at(file: io.BufferedRandom, tensor: torch.Tensor, offset: int) -> None:
+    file.seek(offset)
+    file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _out_dtype(meta: TensorStorageMetadata, kind: Kind, dtype: torch.dtype | None) -> torch.dtype:
+    saved = meta.properties.dtype
+    if dtype is None or not saved.is_floating_point:
+        return saved
+    if kind == "optimizer" and len(meta.size) == 0:
+        return saved  # step counters: bfloat16 holds integers exactly only up to 256
+    return dtype
+
+
+def convert_to_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    model_only: bool = False,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> None:
+    """Consolidate the distributed checkpoint folder ``src`` into the full (single-file) checkpoint ``dst``.
+
+    The file holds ``{"model": full_state_dict, "optimizer": {"state": ..., "param_groups": ...}, ...}`` with
+    ``meta.pt``'s entries at the top level, exactly what a full-format save writes. ``model_only`` keeps the
+    model state dicts only (no optimizer, no metadata), e.g. for inference. ``dtype`` casts floating-point
+    tensors (an optimizer's step counters keep theirs). Memory stays near twice the largest tensor.
+    """
+    src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.DISTRIBUTED, overwrite=overwrite)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"`dtype={dtype!r}` is not a floating-point torch dtype. Pass e.g. `torch.bfloat16`, or `None` to keep"
+            " the saved dtypes."
+        )
+    reader = _CachedReader(src_path, read_dcp_metadata(src_path))
+    items = _items(reader.read_metadata())
+    kinds = _kinds(items)
+    if model_only:
+        items = [item for item in items if kinds[item.top] == "model"]
+        if not items:
+            found = ", ".join(f"{top!r} ({kind})" for top, kind in kinds.items()) or "nothing"
+            raise ValueError(
+                f"The checkpoint {str(src_path)!r} holds no model state dict to keep with `model_only=True`; it"
+                f" has: {found}. Convert without `model_only`."
+            )
+    metadata = {} if model_only else read_user_metadata(src_path)
+    if clash := sorted(set(metadata) & {item.top for item in items}):
+        raise ValueError(
+            f"The checkpoint {str(src_path)!r} has entries {clash} both in its tensor state and in"
+            f" {USER_METADATA!r}, so one file cannot hold both. Rename one of them in the source checkpoint."
+        )
+    tensors = [(item, item.meta) for item in items if isinstance(item.meta, TensorStorageMetadata)]
+    non_tensors = {item.key: None for item in items if isinstance(item.meta, BytesStorageMetadata)}
+    if non_tensors:
+        _dcp_load(non_tensors, reader, src_path)  # small values (param_groups...), all in one read
+    out_dtypes = {item.key: _out_dtype(meta, kinds[item.top], dtype) for item, meta in tensors}
+    total_bytes = sum(meta.size.numel() * out_dtypes[item.key].itemsize for item, meta in tensors)
+
+    layout: dict[str, Any] = {}
+    for item in items:  # in DCP's order, which is the order of the original save
+        if isinstance(item.meta, TensorStorageMetadata):
+            # A placeholder that is never touched: it costs address space only, not memory.
+            _put(layout, item.path, torch.empty(item.meta.size, dtype=out_dtypes[item.key]))
+        elif item.key in non_tensors:
+            _put(layout, item.path, non_tensors[item.key])
+    layout.update(metadata)
+    bar = _Progress(progress, len(tensors), total_bytes)
+    with _staged(dst_path) as (staged, token):
+        with torch.serialization.skip_data():
+            torch.save(layout, staged)
+        del layout
+        offsets = _storage_offsets(staged, [item.path for item, _ in tensors])
+        with staged.open("r+b") as file:
+            read_buffer, cast_buffer = _Buffer(), _Buffer()
+            for (item, meta), offset in zip(tensors, offsets, strict=True):
+                tensor = read_buffer.view(meta.size, meta.properties.dtype)
+                _dcp_load({item.key: tensor}, reader, src_path)
+                if out_dtypes[item.key] != tensor.dtype:
+                    tensor = cast_buffer.view(meta.size, out_dtypes[item.key]).copy_(tensor)
+                if offset is not None:
+                    _write_at(file, tensor, offset)
+                bar.advance(tensor.numel() * tensor.element_size())
+            file.flush()
+            os.fsync(file.fileno())
+        commit(dst_path, staged, token)
+    bar.finish(dst_path)
+
+
+class _CountingSavePlanner(dcp.DefaultSavePlanner):
+    """Advances the progress display as DCP's writer asks for each tensor."""
+
+    def __init__(self, bar: _Progress) -> None:
+        super().__init__()
+        self._bar = bar
+
+    @override
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        data = super().resolve_data(write_item)
+        if write_item.type != WriteItemType.BYTE_IO and isinstance(data, torch.Tensor):
+            self._bar.advance(data.numel() * data.element_size())
+        return data
+
+
+def convert_to_distributed(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False, progress: bool = True
+) -> None:
+    """Shard the full (single-file) checkpoint ``src`` into the distributed checkpoint folder ``dst``.
+
+    Model and optimizer state dicts go to DCP shards, every other top-level entry to ``meta.pt``: the layout
+    a distributed save writes, so :func:`modelpar.checkpoint.load_state` restores it on any mesh. The file is
+    memory-mapped, not read into memory.
+    """
+    src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.FULL, overwrite=overwrite)
+    checkpoint = read_full_checkpoint(src_path)
+    state = {key: value for key, value in checkpoint.items() if is_state_entry(value)}
+    if not state:
+        raise ValueError(
+            f"The checkpoint file {str(src_path)!r} holds no model or optimizer state dict (its top-level entries:"
+            f" {', '.join(map(repr, checkpoint)) or 'none'}), so there is nothing to shard. Point to a file saved"
+            " with a model in its state."
+        )
+    metadata = {key: value for key, value in checkpoint.items() if key not in state}
+    tensors = [tensor for _, tensor in iter_tensors(state, "")]
+    bar = _Progress(progress, len(tensors), sum(t.numel() * t.element_size() for t in tensors))
+    with _staged(dst_path) as (staged, token):
+        staged.mkdir()
+        with _single_process():
+            dcp.save(
+                state, storage_writer=dcp.FileSystemWriter(staged), planner=_CountingSavePlanner(bar), no_dist=True
+            )
+        torch.save(metadata, staged / USER_METADATA)
+        commit(dst_path, staged, token)
+    bar.finish(dst_path)
