@@ -348,3 +348,20 @@ def test_several_models_with_their_optimizers_in_one_checkpoint_and_clear_errors
     four = matrix["four"]
     assert all(r["bad_files"] for r in four)
     assert len({r["shape_dist"] for r in four}) == 1 and len({r["shape_full"] for r in four}) == 1
+
+
+def test_a_2x2_checkpoint_converts_to_one_file_and_back_offline(matrix, tmp_path):
+    from modelpar.checkpoint import convert_to_distributed, convert_to_file, describe_checkpoint
+
+    assert len(list((matrix["root"] / "2x2").glob("*.distcp"))) == 4  # one shard file per rank
+    convert_to_file(matrix["root"] / "2x2", tmp_path / "one.pt", progress=False)
+    convert_to_distributed(tmp_path / "one.pt", tmp_path / "again", progress=False)
+    for src in (tmp_path / "one.pt", tmp_path / "again"):
+        model = reference_model(seed=7)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        state = {"model": model, "optimizer": opt, "step": 0}
+        load_state(src, state)
+        assert state["step"] == 2
+        assert_same_as_truth(model, opt, f"2x2 -> {src.name}")
+    text = describe_checkpoint(matrix["root"] / "2x2")
+    assert "distributed" in text and "model.tok_embeddings.weight" in text

@@ -2,12 +2,24 @@
 
 Saves are atomic (a checkpoint appears at its path only when complete) and optionally asynchronous;
 full files load into sharded models tensor by tensor. The strategies hold a :class:`Checkpointer`;
-:func:`save_state` / :func:`load_state` serve standalone scripts.
+:func:`save_state` / :func:`load_state` serve standalone scripts; :func:`convert_to_file`,
+:func:`convert_to_distributed` and :func:`describe_checkpoint` work offline (also as ``python -m modelpar``).
 """
 
 from modelpar.checkpoint._api import load_state, save_state
 from modelpar.checkpoint._checkpointer import Checkpointer
+from modelpar.checkpoint._convert import convert_to_distributed, convert_to_file
 from modelpar.checkpoint._format import CheckpointFormat
+from modelpar.checkpoint._inspect import describe_checkpoint
 from modelpar.checkpoint._io import detect as detect_format
 
-__all__ = ["CheckpointFormat", "Checkpointer", "detect_format", "load_state", "save_state"]
+__all__ = [
+    "CheckpointFormat",
+    "Checkpointer",
+    "convert_to_distributed",
+    "convert_to_file",
+    "describe_checkpoint",
+    "detect_format",
+    "load_state",
+    "save_state",
+]

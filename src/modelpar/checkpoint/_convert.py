@@ -22,8 +22,6 @@ import os
 import re
 import shutil
 import struct
-import sys
-import time
 import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -41,7 +39,6 @@ from typing_extensions import override
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._inspect import (
-    format_size,
     is_state_entry,
     iter_tensors,
     read_dcp_metadata,
@@ -49,6 +46,7 @@ from modelpar.checkpoint._inspect import (
     read_user_metadata,
 )
 from modelpar.checkpoint._io import detect
+from modelpar.checkpoint._progress import Progress
 
 __all__ = ["convert_to_distributed", "convert_to_file"]
 
@@ -79,40 +77,6 @@ class _Item:
     @property
     def top(self) -> str:
         return str(self.path[0])
-
-
-class _Progress:
-    """``done/total tensors, bytes done`` on one updating stderr line (TTY only), then one summary line."""
-
-    def __init__(self, enabled: bool, total: int, total_bytes: int) -> None:
-        self._stream = sys.stderr
-        self._enabled = enabled and self._stream is not None
-        self._live = self._enabled and self._stream.isatty()
-        self._total, self._total_bytes = total, total_bytes
-        self._done = self._done_bytes = 0
-        self._start = self._shown = time.monotonic()
-
-    def advance(self, nbytes: int) -> None:
-        self._done, self._done_bytes = self._done + 1, self._done_bytes + nbytes
-        now = time.monotonic()
-        if self._live and (now - self._shown >= 0.1 or self._done >= self._total):
-            self._shown = now
-            self._stream.write(
-                f"\r{min(self._done, self._total)}/{self._total} tensors,"
-                f" {format_size(self._done_bytes)} of {format_size(self._total_bytes)}"
-            )
-            self._stream.flush()
-
-    def finish(self, dst: Path) -> None:
-        if not self._enabled:
-            return
-        seconds = time.monotonic() - self._start
-        end_live_line = "\n" if self._live else ""
-        self._stream.write(
-            f"{end_live_line}converted {self._total} tensors ({format_size(self._total_bytes)}) into {str(dst)!r}"
-            f" in {seconds:.1f} s\n"
-        )
-        self._stream.flush()
 
 
 def _check_paths(
@@ -368,7 +332,7 @@ def convert_to_file(
         elif item.key in non_tensors:
             _put(layout, item.path, non_tensors[item.key])
     layout.update(metadata)
-    bar = _Progress(progress, len(tensors), total_bytes)
+    bar = Progress(progress, len(tensors), total_bytes)
     with _staged(dst_path) as (staged, token):
         with torch.serialization.skip_data():
             torch.save(layout, staged)
@@ -393,7 +357,7 @@ def convert_to_file(
 class _CountingSavePlanner(dcp.DefaultSavePlanner):
     """Advances the progress display as DCP's writer asks for each tensor."""
 
-    def __init__(self, bar: _Progress) -> None:
+    def __init__(self, bar: Progress) -> None:
         super().__init__()
         self._bar = bar
 
@@ -425,7 +389,7 @@ def convert_to_distributed(
         )
     metadata = {key: value for key, value in checkpoint.items() if key not in state}
     tensors = [tensor for _, tensor in iter_tensors(state, "")]
-    bar = _Progress(progress, len(tensors), sum(t.numel() * t.element_size() for t in tensors))
+    bar = Progress(progress, len(tensors), sum(t.numel() * t.element_size() for t in tensors))
     with _staged(dst_path) as (staged, token):
         staged.mkdir()
         with _single_process():
