@@ -79,8 +79,47 @@ def _load_all_then_save(root: Path, world: int, sources: list[str], save: bool) 
     return loaded
 
 
-def grid_first_two(root: Path) -> list[str]:
-    return _load_all_then_save(root, 2, ["1p"], save=True)
+def grid_first_two(root: Path) -> dict[str, Any]:
+    return {"loaded": _load_all_then_save(root, 2, ["1p"], save=True), "lightning": case_lightning_interchange(root)}
+
+
+def case_lightning_interchange(root: Path) -> list[str]:
+    """Checkpoints move both ways between Lightning's strategy and ours, in both formats."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import ModelParallelStrategy as LightningStrategy
+
+    from harness import PG_TIMEOUT
+    from modelpar.plans import parallelize_llama
+
+    done = []
+    for distributed in (True, False):
+        tag = "dist" if distributed else "full"
+        lightning = Fabric(
+            accelerator="cpu",
+            devices=2,
+            strategy=LightningStrategy(
+                parallelize_llama, 1, 2, save_distributed_checkpoint=distributed, timeout=PG_TIMEOUT
+            ),
+        )
+        lightning.launch()
+        ours = make_fabric(2, 1, world_size=2, save_distributed_checkpoint=distributed)
+        # Lightning writes, we read
+        l_model, l_opt = fresh(lightning)
+        lightning.load(root / "1x2", {"model": l_model, "optimizer": l_opt})  # ours -> Lightning
+        assert_same_as_truth(l_model, l_opt, f"modelpar 1x2 -> Lightning ({tag})")
+        lightning.save(root / f"from-lightning-{tag}", {"model": l_model, "optimizer": l_opt, "step": 2})
+        o_model, o_opt = fresh(ours)
+        state = {"model": o_model, "optimizer": o_opt, "step": 0}
+        ours.load(root / f"from-lightning-{tag}", state)
+        assert state["step"] == 2
+        assert_same_as_truth(o_model, o_opt, f"Lightning ({tag}) -> modelpar")
+        # we write, Lightning reads
+        ours.save(root / f"from-modelpar-{tag}", {"model": o_model, "optimizer": o_opt, "step": 2})
+        l_model2, l_opt2 = fresh(lightning)
+        lightning.load(root / f"from-modelpar-{tag}", {"model": l_model2, "optimizer": l_opt2, "step": 0})
+        assert_same_as_truth(l_model2, l_opt2, f"modelpar ({tag}) -> Lightning")
+        done.append(tag)
+    return done
 
 
 def grid_four(root: Path) -> dict[str, Any]:
@@ -301,7 +340,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_distributed_checkpoints_reshard_between_all_layouts(matrix):
     sources = {"1p", "2x1", "1x2", "2x2", "4x1", "1x4"}
-    pairs = set(matrix["first"][0]) | set(matrix["four"][0]["loaded"]) | set(matrix["four"][0]["cross"])
+    pairs = set(matrix["first"][0]["loaded"]) | set(matrix["four"][0]["loaded"]) | set(matrix["four"][0]["cross"])
     pairs |= set(matrix["second"][0])
     assert {p.split("->")[0] for p in pairs} >= sources
     assert {p.split("->")[1] for p in pairs} == {"2x1", "1x2", "2x2", "4x1", "1x4"}
@@ -365,3 +404,7 @@ def test_a_2x2_checkpoint_converts_to_one_file_and_back_offline(matrix, tmp_path
         assert_same_as_truth(model, opt, f"2x2 -> {src.name}")
     text = describe_checkpoint(matrix["root"] / "2x2")
     assert "distributed" in text and "model.tok_embeddings.weight" in text
+
+
+def test_checkpoints_move_both_ways_between_lightning_and_modelpar_in_both_formats(matrix):
+    assert all(r["lightning"] == ["dist", "full"] for r in matrix["first"])
