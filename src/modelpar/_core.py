@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from lightning_fabric.plugins import Precision
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
@@ -74,6 +73,27 @@ class ParallelCore:
         self.checkpointer = Checkpointer(async_save=async_save)
 
     # -- environment ---------------------------------------------------------------------------------
+    @staticmethod
+    def set_world_ranks(
+        cluster_environment: ClusterEnvironment | None, *, node_rank: int, local_rank: int, per_node: int, nodes: int
+    ) -> int:
+        """Tell the environment this process's global rank and the world size; return the global rank.
+
+        Also points Lightning's rank-zero utilities at it, so rank-0-only logging and warnings work the same
+        with Fabric, the Trainer and standalone scripts.
+        """
+        from lightning_fabric.utilities import rank_zero_only
+        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+        global_rank = node_rank * per_node + local_rank
+        if cluster_environment is not None:
+            cluster_environment.set_global_rank(global_rank)
+            cluster_environment.set_world_size(nodes * per_node)
+            global_rank = cluster_environment.global_rank()  # some environments (torchrun) know better
+        # rank_zero_only is a decorator whose `rank` attribute decides which process logs.
+        rank_zero_only.rank = utils_rank_zero_only.rank = global_rank  # type: ignore[attr-defined]
+        return global_rank
+
     def setup_distributed(
         self,
         cluster_environment: ClusterEnvironment,
@@ -125,12 +145,13 @@ class ParallelCore:
         return group
 
     # -- modules -------------------------------------------------------------------------------------
-    def module_init_context(self, precision: Precision, empty_init: bool | None) -> AbstractContextManager[Any]:
+    @staticmethod
+    def init_context(precision_context: AbstractContextManager[Any], empty_init: bool | None) -> ExitStack:
         """Meta device when ``empty_init`` (materialized later in ``setup_module``), plus the precision's dtype."""
         stack = ExitStack()
         if empty_init:
             stack.enter_context(torch.device("meta"))
-        stack.enter_context(precision.module_init_context())
+        stack.enter_context(precision_context)
         return stack
 
     def setup_module(self, module: TModel, root_device: torch.device) -> TModel:

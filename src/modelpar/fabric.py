@@ -21,9 +21,7 @@ from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning_fabric.strategies import ParallelStrategy
 from lightning_fabric.strategies.launchers import _SubprocessScriptLauncher
-from lightning_fabric.utilities import rank_zero_only
 from lightning_fabric.utilities.seed import reset_seed
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -221,11 +219,13 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
             self._num_nodes = detected.num_nodes
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # rank_zero_only is a decorator whose `rank` attribute decides which process logs.
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        ParallelCore.set_world_ranks(
+            self.cluster_environment,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            per_node=self.num_processes,
+            nodes=self.num_nodes,
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -265,7 +265,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
-        return self._core.module_init_context(self.precision, empty_init)
+        return self._core.init_context(self.precision.module_init_context(), empty_init)
 
     # -- collectives ---------------------------------------------------------------------------------
     @override

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
@@ -72,24 +73,43 @@ class Checkpointer:
     ) -> None:
         """Save models, optimizers and metadata in ``state`` to ``path`` in the distributed or full format."""
         self.wait()
-        self._unsettled = self.async_save
-        path = Path(path)
         split = split_state(state, known_modules)
         if not split.modules and not split.optimizers:
             raise ValueError(
                 "The checkpoint state contains no model and no optimizer. Pass them in like"
                 " `save(path, {'model': model, 'optimizer': optimizer, ...})`, set up through the strategy first."
             )
+        tensors, metadata = _io.gather_state(split, full=full, filters=filter)
+        self.write(path, tensors, metadata, full=full, live_modules=[*split.modules.values(), *known_modules])
+
+    def write(
+        self,
+        path: str | Path,
+        tensors: dict[str, Any],
+        metadata: dict[str, Any],
+        *,
+        full: bool,
+        live_modules: Sequence[nn.Module] = (),
+    ) -> None:
+        """Write already-gathered state: ``tensors`` (state dicts) and ``metadata`` (anything picklable).
+
+        Distributed: ``tensors`` are this rank's sharded state dicts, written with DCP; ``metadata`` goes to
+        ``meta.pt``. Full: rank 0 writes ``{**tensors, **metadata}`` to one file. Atomic either way, and
+        asynchronous when the checkpointer is. ``live_modules`` are the models the tensors may still share
+        memory with (cloned before a background full-format write).
+        """
+        self.wait()
+        self._unsettled = self.async_save
+        path = Path(path)
         token, problem = _broadcast(self._prepare(path) if _rank() == 0 else None)
         if problem:
             raise IsADirectoryError(problem)
-        tensors, metadata = _io.gather_state(split, full=full, filters=filter)
         staged = staging_path(path, token)
         if full:
             if _rank() == 0:
                 payload = {**tensors, **metadata}
                 if self.async_save:  # the training goes on while the file is written: write a snapshot
-                    payload = _snapshot(payload, [*split.modules.values(), *known_modules])
+                    payload = _snapshot(payload, live_modules)
                 self._run(lambda: _write_file(payload, staged, path, token))
             if not self.async_save:
                 _barrier()
@@ -176,6 +196,25 @@ class Checkpointer:
         self._settle()
         split = split_state(state, known_modules)
         return _io.load(Path(path), split, state, strict=strict, weights_only=weights_only)
+
+    def load_trainer_checkpoint(
+        self,
+        path: str | Path,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        *,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint in the Lightning Trainer's layout; return everything but the model and optimizers.
+
+        The layout is the one every Lightning strategy writes: the model under ``"state_dict"``, and the
+        optimizers as ``"optimizer_0"``, ``"optimizer_1"`` ... in a distributed folder, or as the list
+        ``"optimizer_states"`` (keyed by parameter name or by position) in a single file. The model and the
+        optimizers are restored in place; loops, schedulers and callbacks are in the returned dict.
+        """
+        self._settle()
+        return _io.load_trainer_layout(Path(path), module, list(optimizers), strict=strict, weights_only=weights_only)
 
     def load_raw(
         self, path: str | Path, module: nn.Module, *, strict: bool = True, weights_only: bool | None = None

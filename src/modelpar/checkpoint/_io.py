@@ -27,13 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim import Optimizer
 
 from modelpar.checkpoint._commit import describe_leftovers
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._state import FilterFns, SplitState, apply_filter, metadata_of, restore_metadata
 from modelpar.checkpoint._stream import check_shapes, load_full_model_state, load_full_optimizer_state
 
-__all__ = ["detect", "gather_state", "load", "load_raw_module"]
+__all__ = ["detect", "gather_state", "load", "load_raw_module", "load_trainer_layout"]
 
 
 def detect(path: Path) -> CheckpointFormat:
@@ -181,3 +182,38 @@ def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only
         )
     split = SplitState(modules={prefixes[0]: module})
     _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)
+
+
+def load_trainer_layout(
+    path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Restore ``"state_dict"`` and the optimizers of a Lightning Trainer checkpoint; return the rest of it."""
+    if detect(path) is CheckpointFormat.DISTRIBUTED:
+        split = SplitState(
+            modules={"state_dict": module},
+            optimizers={f"optimizer_{i}": (opt, module) for i, opt in enumerate(optimizers)},
+        )
+        return _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)
+    checkpoint = _torch_load(path, weights_only)
+    if "state_dict" not in checkpoint:
+        raise KeyError(
+            f"The checkpoint file {str(path)!r} has no 'state_dict' entry, so it was not written by a Lightning"
+            f" Trainer (it has: {', '.join(map(repr, list(checkpoint)[:8]))}). Load it with `fabric.load` instead."
+        )
+    load_full_model_state(module, checkpoint.pop("state_dict"), strict=strict, where=f"{str(path)!r} ['state_dict']")
+    saved = checkpoint.pop("optimizer_states", [])
+    if optimizers and len(saved) != len(optimizers):
+        hint = (
+            " It holds only the model (saved with `save_weights_only=True`?): load it with `ckpt_path` in"
+            " validate/test/predict, or into the model directly."
+            if not saved
+            else " Restore with the same `configure_optimizers`."
+        )
+        raise KeyError(
+            f"The checkpoint {str(path)!r} holds {len(saved)} optimizer state(s) but the LightningModule"
+            f" configures {len(optimizers)} optimizer(s).{hint}"
+        )
+    for i, (opt, opt_state) in enumerate(zip(optimizers, saved, strict=False)):
+        where = f"{str(path)!r} ['optimizer_states'][{i}]"
+        load_full_optimizer_state(module, opt, opt_state, strict=strict, where=where)
+    return checkpoint

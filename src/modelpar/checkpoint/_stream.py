@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from modelpar.checkpoint._rekey import optimizer_state_to_names
+
 __all__ = ["check_shapes", "load_full_model_state", "load_full_optimizer_state"]
 
 
@@ -71,30 +73,6 @@ def load_full_model_state(module: nn.Module, full_state: Mapping[str, Any], *, s
             local_target.copy_(_local_slice(full_state[name], target))
 
 
-def _rekey_by_position(full_osd: dict[str, Any], module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """Integer-keyed (plain ``optimizer.state_dict()``) state -> keyed by parameter name, via group order."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    saved_groups = full_osd["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"The optimizer state has {len(saved_groups)} parameter groups, the optimizer has"
-            f" {len(optimizer.param_groups)}. Create the optimizer with the same groups as when it was saved."
-        )
-    index_to_name: dict[Any, str] = {}
-    groups = []
-    for saved, live in zip(saved_groups, optimizer.param_groups, strict=True):
-        if len(saved["params"]) != len(live["params"]):
-            raise ValueError(
-                f"A parameter group held {len(saved['params'])} parameters when saved and holds"
-                f" {len(live['params'])} now. Create the optimizer over the same parameters."
-            )
-        fqns = [names[id(p)] for p in live["params"]]
-        index_to_name.update(zip(saved["params"], fqns, strict=True))
-        groups.append({**saved, "params": fqns})
-    state = {index_to_name[k]: v for k, v in full_osd["state"].items()}
-    return {"state": state, "param_groups": groups}
-
-
 def load_full_optimizer_state(
     module: nn.Module, optimizer: Optimizer, full_osd: dict[str, Any], *, strict: bool, where: str
 ) -> None:
@@ -103,8 +81,7 @@ def load_full_optimizer_state(
     Each full moment tensor is cut to its parameter's shard as it is read, so the optimizer never holds
     more than its own shards.
     """
-    if full_osd.get("state") and all(isinstance(k, int) for k in full_osd["state"]):
-        full_osd = _rekey_by_position(full_osd, module, optimizer)
+    full_osd = optimizer_state_to_names(full_osd, module, optimizer)
     params = dict(module.named_parameters())
     unknown = [k for k in full_osd.get("state", {}) if k not in params]
     if unknown and strict:

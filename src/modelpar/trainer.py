@@ -1,0 +1,318 @@
+"""``ModelParallelStrategy`` for the Lightning Trainer: the same core as the Fabric strategy.
+
+Needs the ``trainer`` extra (``pip install 'modelpar[trainer]'``). A thin adapter: the Trainer's hooks
+forward to :class:`modelpar._core.ParallelCore` (mesh, module set-up, gradient sync, clipping) and to its
+:class:`~modelpar.checkpoint.Checkpointer`, exactly as the Fabric adapter does. What is Trainer-specific
+lives here: the LightningModule's ``configure_model`` / ``device_mesh`` protocol, the Trainer's checkpoint
+layout (``state_dict`` + ``optimizer_states``), accumulation through ``block_backward_sync``, and clipping
+through the precision plugin.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+try:
+    import pytorch_lightning as pl
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "`modelpar.trainer` needs PyTorch Lightning, which is an optional extra. Install it with"
+        " `pip install 'modelpar[trainer]'` (or use the Fabric strategy, `modelpar.ModelParallelStrategy`)."
+    ) from err
+
+import torch
+from lightning_fabric.utilities.seed import reset_seed
+from pytorch_lightning.core.optimizer import LightningOptimizer
+from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.model_helpers import is_overridden
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from modelpar._core import ParallelCore, ParallelizeFn
+from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, barrier, broadcast_object
+from modelpar._mesh import SizeArg
+from modelpar.checkpoint._rekey import optimizer_state_to_positions
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ModelParallelStrategy"]
+
+
+class ModelParallelStrategy(_LightningModelParallelStrategy):
+    """FSDP2 + tensor parallelism for ``pytorch_lightning.Trainer(strategy=...)``.
+
+    Either the LightningModule parallelizes itself in ``configure_model()`` with ``self.device_mesh``, or pass
+    ``parallelize_fn(lightning_module, device_mesh) -> lightning_module`` and the strategy applies it after
+    ``configure_model``. Subclasses Lightning's ``ModelParallelStrategy`` only so that the Trainer's
+    ``isinstance`` checks (precision validation, "is distributed") treat it as one; Lightning's ``__init__``
+    is not called and every hook with behaviour is overridden.
+
+    Args:
+        data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout:
+            as for the Fabric strategy (:class:`modelpar.ModelParallelStrategy`).
+        parallelize_fn: optional ``(module, device_mesh) -> module`` applied to the LightningModule in place.
+        async_save: checkpoints return once staged in CPU memory and are written in the background.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: SizeArg = "auto",
+        tensor_parallel_size: SizeArg = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = None,
+        *,
+        async_save: bool = False,
+    ) -> None:
+        fn: ParallelizeFn | None = parallelize_fn
+        self._core = ParallelCore(
+            strategy_name=f"{type(self).__module__}.{type(self).__name__}",
+            parallelize_fn=fn,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            async_save=async_save,
+        )
+        ParallelStrategy.__init__(self)  # skip Lightning's __init__: its state is unused here
+        self.num_nodes = 1
+
+    # -- properties ----------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._core.device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(f"`{type(self).__name__}.root_device` is unknown before the Trainer sets devices.")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self._core.sampler_kwargs()
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._core.process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded models and optimizers must exist before their state can be loaded into them
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores optimizers itself, shard by shard
+
+    # -- environment ---------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None  # set by the Trainer's connector before this hook
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def set_world_ranks(self) -> None:
+        ParallelCore.set_world_ranks(
+            self.cluster_environment,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            per_node=self.num_processes,
+            nodes=self.num_nodes,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        ParallelStrategy.setup_environment(self)  # device set-up only; not Lightning's process-group code
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None  # set by the Trainer's connector
+        mesh = self._core.setup_distributed(
+            self.cluster_environment, self.root_device, num_nodes=self.num_nodes, devices_per_node=self.num_processes
+        )
+        assert self.lightning_module is not None  # the Trainer connects the module before this hook
+        self.lightning_module._device_mesh = mesh  # read by `LightningModule.device_mesh` in configure_model
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None  # set by the Trainer
+        self.accelerator.setup(trainer)
+        if self._core.parallelize_fn is None and not is_overridden("configure_model", self.lightning_module):
+            raise TypeError(
+                f"`{type(self).__name__}` has nothing to parallelize the model with. Either override"
+                " `configure_model()` in your LightningModule and apply `fully_shard` / tensor parallelism there"
+                " using `self.device_mesh`, or pass `parallelize_fn=` to the strategy."
+            )
+        module = self._core.setup_module(self.model, self.root_device)
+        if module is not self.model:
+            raise TypeError(
+                "`parallelize_fn` must parallelize the LightningModule in place and return that same module"
+                f" (it returned a different {type(module).__name__}); the Trainer keeps using the original."
+            )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._install_mesh_aware_clipping()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _install_mesh_aware_clipping(self) -> None:
+        """Route the Trainer's ``gradient_clip_val`` through the core's clipping.
+
+        The Trainer clips in the precision plugin with ``torch.nn.utils.clip_grad_norm_``, which fails when
+        gradients live on different meshes (FSDP-only and tensor-parallel parameters). The plugin's two
+        primitives are replaced on this plugin instance only; unscaling and the algorithm choice stay its own.
+        """
+        plugin, core = self.precision_plugin, self._core
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            core.clip_gradients_norm(plugin.main_params(optimizer), float(clip_val), 2.0, False)
+
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: float) -> None:
+            core.clip_gradients_value(plugin.main_params(optimizer), float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        with self._core.init_context(self.precision_plugin.tensor_init_context(), empty_init):
+            yield
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduce-scatter on accumulation micro-batches (Lightning's strategy reduces every time)."""
+        assert self.model is not None
+        with self._core.no_backward_sync(self.model, enabled=True):
+            yield
+
+    @override
+    def teardown(self) -> None:
+        self._core.checkpointer.wait()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+
+    # -- collectives ---------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Reduce over ``group``; by default the **data-parallel** group.
+
+        Tensor-parallel peers hold the same values (they see the same batch), so reducing over the whole
+        world would count each value once per peer: ``self.log(..., sync_dist=True, reduce_fx="sum")`` would
+        be ``tensor_parallel_size`` times too large. ``group`` may also be a mesh axis name.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        group = self._core.resolve_group("data_parallel" if group is None else group)
+        return all_reduce(tensor, group, reduce_op if reduce_op is not None else "sum")
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank's vote counts (early stopping, checkpoint decisions): reduced over the whole world."""
+        votes = all_reduce(torch.tensor(int(decision), device=self.root_device), None, "sum")
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded state dict, or (``save_distributed_checkpoint=False``) the full one on rank 0 only."""
+        assert self.model is not None
+        full = not self._core.save_distributed_checkpoint
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Sharded optimizer state, or the full one keyed by position (as DDP writes it) on rank 0."""
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        full = not self._core.save_distributed_checkpoint
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+        state = get_optimizer_state_dict(self.model, optimizer, options=options)
+        if full and self.global_rank == 0:  # positions, so DDP and single-device runs can load it
+            state = optimizer_state_to_positions(state, self.model, optimizer)
+        return state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write the Trainer's checkpoint dict atomically, in the same layout as Lightning's strategy."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        assert self.model is not None
+        if not self._core.save_distributed_checkpoint:
+            self._core.checkpointer.write(path, checkpoint, {}, full=True, live_modules=[self.model])
+            return
+        metadata = dict(checkpoint)
+        tensors = {"state_dict": metadata.pop("state_dict")}
+        for idx, optim_state in enumerate(metadata.pop("optimizer_states", [])):
+            tensors[f"optimizer_{idx}"] = optim_state
+        self._core.checkpointer.write(path, tensors, metadata, full=False, live_modules=[self.model])
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model and optimizers in place (any layout, either format); return the rest for the Trainer."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        return self._core.checkpointer.load_trainer_checkpoint(
+            path,
+            self.model,
+            self.optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing to do: ``load_checkpoint`` already restored the shards."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing to do: ``load_checkpoint`` already restored the shards."""
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint file or folder (``ModelCheckpoint`` top-k clean-up), once, on rank 0."""
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()

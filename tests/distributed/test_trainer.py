@@ -1,0 +1,290 @@
+"""The Trainer strategy on real gloo process groups, every training run checked against a reference.
+
+Spawn 1: 2 processes (meshes 2x1 and 1x2): fit / validate / test / predict, accumulation, clipping,
+`sync_dist`. Spawn 2: 4 processes as two nodes: 2x2 fit, checkpoints in both formats through
+ModelCheckpoint, resuming on another layout, and checkpoints written by Lightning's own strategy.
+Single-device Trainer runs in the test process check the interchange with non-sharded runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from harness import PG_TIMEOUT, run_distributed
+from modelpar.trainer import ModelParallelStrategy
+from trainer_module import GLOBAL_BATCH, LlamaModule, loader, parallelize_lightning_module, reference_run
+
+
+def full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    sd = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def assert_weights(module: pl.LightningModule, ref: torch.nn.Module, what: str, atol: float = 2e-5) -> None:
+    got = full_weights(module)
+    torch.testing.assert_close(got, ref.state_dict(), atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> pl.Trainer:
+    strategy_kwargs = {k: kwargs.pop(k) for k in ("save_distributed_checkpoint", "parallelize_fn") if k in kwargs}
+    strategy = ModelParallelStrategy(dp, tp, timeout=PG_TIMEOUT, **strategy_kwargs)
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": world // nodes,
+        "num_nodes": nodes,
+        "strategy": strategy,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def per_rank(dp: int) -> int:
+    """Per-rank batch size: the global batch split over the data-parallel ranks."""
+    return GLOBAL_BATCH // dp
+
+
+# ---------------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------------
+def case_fit_validate_test_predict(dp: int, tp: int, world: int, nodes: int = 1) -> dict[str, Any]:
+    t = trainer(dp, tp, world, nodes, max_steps=4, gradient_clip_val=0.05)
+    module = LlamaModule()
+    t.fit(module, loader(per_rank(dp)))
+    assert_weights(module, reference_run(4, clip_norm=0.05)[0], f"fit {dp}x{tp} (clip by norm)")
+    out: dict[str, Any] = {"mesh": tuple(t.strategy.device_mesh.shape)}
+    val = t.validate(module, loader(per_rank(dp)), verbose=False)[0]
+    test = t.test(module, loader(per_rank(dp)), verbose=False)[0]
+    ref = reference_run(4, clip_norm=0.05)[0]
+    from parity import global_batches, lm_loss
+
+    with torch.no_grad():
+        want = lm_loss(*[ref(global_batches(1)[0][0]), global_batches(1)[0][1]]).item()
+    assert abs(val["val_loss"] - want) < 1e-4 and abs(test["test_loss"] - want) < 1e-4, (val, test, want)
+    out["dp_rank_sum"] = val["dp_rank_plus_one"]  # logged with reduce_fx="sum": one count per DP rank
+    preds = t.predict(module, loader(per_rank(dp)))
+    x0 = loader(per_rank(dp)).dataset.tensors[0]
+    rank = t.strategy.distributed_sampler_kwargs["rank"]
+    n = t.strategy.distributed_sampler_kwargs["num_replicas"]
+    with torch.no_grad():
+        want_pred = ref(x0[rank::n][: per_rank(dp)]).argmax(-1)
+    assert torch.equal(preds[0], want_pred)
+    with torch.inference_mode():  # what the Trainer uses for evaluation on NCCL; gloo makes it use no_grad
+        torch.testing.assert_close(module.model(x0[:2]), ref(x0[:2]), atol=2e-5, rtol=1e-4)
+    return out
+
+
+def case_accumulation_skips_reduction(dp: int, tp: int, world: int) -> list[bool]:
+    t = trainer(
+        dp,
+        tp,
+        world,
+        max_steps=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.02,
+        gradient_clip_algorithm="value",
+        parallelize_fn=parallelize_lightning_module,
+    )
+    module = LlamaModule(build_in_init=True)
+    module.configure_model = lambda: None  # type: ignore[method-assign]  # the strategy's parallelize_fn does it
+    t.fit(module, loader(per_rank(dp), micro_batches=2))
+    assert_weights(module, reference_run(2, accumulate=2, clip_value=0.02)[0], f"accumulate {dp}x{tp}")
+    return module.grad_none_after_backward
+
+
+class CountingCallback(Callback):
+    """Callback state that must survive a resume."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = state["batches"]
+
+
+def case_checkpoints_and_resume(root: Path, distributed: bool) -> dict[str, Any]:
+    tag = "dist" if distributed else "full"
+    ckpt_dir = root / f"trainer-{tag}"
+    every_epoch = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, save_last=True)
+    best = ModelCheckpoint(dirpath=ckpt_dir / "best", monitor="train_loss", mode="min", save_top_k=1)
+    weights = ModelCheckpoint(dirpath=ckpt_dir / "weights", save_weights_only=True, every_n_train_steps=3)
+    t = trainer(
+        2,
+        2,
+        4,
+        2,
+        max_epochs=3,
+        enable_checkpointing=True,
+        save_distributed_checkpoint=distributed,
+        callbacks=[every_epoch, best, weights, CountingCallback()],
+    )
+    module = LlamaModule()
+    t.fit(module, loader(per_rank(2)))
+    final = full_weights(module)
+    assert_weights(module, reference_run(3)[0], f"2x2 fit with checkpoints ({tag})")
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    # resume from the end of epoch 0 on another layout: model, optimizer, scheduler, loops, callbacks
+    counter = CountingCallback()
+    t2 = trainer(1, 4, 4, 2, max_epochs=3, save_distributed_checkpoint=distributed, callbacks=[counter])
+    module2 = LlamaModule()
+    t2.fit(module2, loader(per_rank(1)), ckpt_path=ckpt_dir / "epoch=0-step=1.ckpt")
+    assert t2.global_step == 3 and counter.batches == 3, (t2.global_step, counter.batches)
+    torch.testing.assert_close(full_weights(module2), final, atol=2e-5, rtol=1e-4)
+    # weights-only checkpoints evaluate, and refuse to resume training with a clear message
+    weights_ckpt = next((ckpt_dir / "weights").iterdir())
+    t3 = trainer(2, 2, 4, 2, save_distributed_checkpoint=distributed)
+    module3 = LlamaModule()
+    t3.validate(module3, loader(per_rank(2)), ckpt_path=weights_ckpt, verbose=False)
+    torch.testing.assert_close(full_weights(module3), final, atol=0, rtol=0)
+    t4 = trainer(2, 2, 4, 2, max_epochs=4, save_distributed_checkpoint=distributed)
+    with pytest.raises(KeyError, match=r"(optimizer|holds only the model)"):
+        t4.fit(LlamaModule(), loader(per_rank(2)), ckpt_path=weights_ckpt)
+    return {"files": names, "best": sorted(p.name for p in (ckpt_dir / "best").iterdir())}
+
+
+def case_lightning_checkpoints_load_into_ours(root: Path, distributed: bool) -> bool:
+    from pytorch_lightning.strategies import ModelParallelStrategy as LightningStrategy
+
+    tag = "dist" if distributed else "full"
+    lightning = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        num_nodes=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=LightningStrategy(2, 2, save_distributed_checkpoint=distributed, timeout=PG_TIMEOUT),
+        callbacks=[ModelCheckpoint(dirpath=root / f"lightning-{tag}", save_top_k=-1)],
+    )
+    lightning.fit(LlamaModule(), loader(GLOBAL_BATCH // 2))
+    t = trainer(2, 2, 4, 2, max_epochs=3, save_distributed_checkpoint=distributed)
+    module = LlamaModule()
+    t.fit(module, loader(per_rank(2)), ckpt_path=root / f"lightning-{tag}" / "epoch=0-step=1.ckpt")
+    assert_weights(module, reference_run(3)[0], f"Lightning ({tag}) -> modelpar resume")
+    return True
+
+
+def case_single_device_interchange(root: Path) -> bool:
+    """A single-device checkpoint resumes here (2x2), and ours is written for single-device runs to resume."""
+    t = trainer(
+        2,
+        2,
+        4,
+        2,
+        max_epochs=3,
+        save_distributed_checkpoint=False,
+        callbacks=[ModelCheckpoint(dirpath=root / "from-modelpar-full", save_top_k=-1)],
+        enable_checkpointing=True,
+    )
+    module = LlamaModule()
+    t.fit(module, loader(per_rank(2)), ckpt_path=root / "single-device" / "epoch=0-step=1.ckpt")
+    assert_weights(module, reference_run(3)[0], "single device -> modelpar resume")
+    return True
+
+
+def grid_two(dummy: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dp, tp in ((2, 1), (1, 2)):
+        out[f"fit_{dp}x{tp}"] = case_fit_validate_test_predict(dp, tp, 2)
+        out[f"accumulate_{dp}x{tp}"] = case_accumulation_skips_reduction(dp, tp, 2)
+    return out
+
+
+def grid_four(root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"fit_2x2": case_fit_validate_test_predict(2, 2, 4, nodes=2)}
+    for distributed in (True, False):
+        out[f"ckpt_{distributed}"] = case_checkpoints_and_resume(root, distributed)
+        out[f"lightning_{distributed}"] = case_lightning_checkpoints_load_into_ours(root, distributed)
+    out["single_device"] = case_single_device_interchange(root)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------------
+def _single_device_trainer(**kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict[str, Any]]:
+    return run_distributed(grid_two, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("trainer")
+    single = _single_device_trainer(max_epochs=1, callbacks=[ModelCheckpoint(dirpath=root / "single-device")])
+    single.fit(LlamaModule(), loader(GLOBAL_BATCH))
+    return root, run_distributed(grid_four, 4, root, nodes=2)
+
+
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_fit_validate_test_predict_match_the_reference(two, layout):
+    dp, tp = (int(v) for v in layout.split("x"))
+    assert all(r[f"fit_{layout}"]["mesh"] == (dp, tp) for r in two)
+    # sync_dist with reduce_fx="sum" adds one value per data-parallel rank, not one per process
+    assert all(r[f"fit_{layout}"]["dp_rank_sum"] == sum(range(1, dp + 1)) for r in two)
+
+
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_accumulation_skips_reduction_on_non_final_micro_batches_and_matches_reference(two, layout):
+    for r in two:
+        flags = r[f"accumulate_{layout}"]
+        # micro-batches alternate: not reduced (no sharded .grad yet), then reduced (sharded .grad exists)
+        assert flags == [True, False, True, False], flags
+
+
+def test_fit_on_2x2_matches_reference_with_auto_sizes_on_two_nodes(four):
+    _, results = four
+    assert all(r["fit_2x2"]["mesh"] == (2, 2) and r["fit_2x2"]["dp_rank_sum"] == 3 for r in results)
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "full"])
+def test_model_checkpoint_saves_resave_and_resume_on_another_layout(four, distributed):
+    root, results = four
+    files = results[0][f"ckpt_{distributed}"]["files"]
+    assert {"epoch=0-step=1.ckpt", "epoch=2-step=3.ckpt", "last.ckpt", "best", "weights"} <= set(files)
+    assert len(results[0][f"ckpt_{distributed}"]["best"]) == 1  # the previous best was removed
+    kind = Path.is_dir if distributed else Path.is_file
+    assert kind(root / f"trainer-{'dist' if distributed else 'full'}" / "last.ckpt")
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "full"])
+def test_checkpoints_from_lightnings_model_parallel_strategy_resume_here(four, distributed):
+    assert all(r[f"lightning_{distributed}"] for r in four[1])
+
+
+def test_single_device_checkpoints_resume_here_and_ours_resume_on_a_single_device(four):
+    root, results = four
+    assert all(r["single_device"] for r in results)
+    module = LlamaModule()
+    t = _single_device_trainer(max_epochs=3)
+    t.fit(module, loader(GLOBAL_BATCH), ckpt_path=root / "from-modelpar-full" / "epoch=1-step=2.ckpt")
+    torch.testing.assert_close(module.model.state_dict(), reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
