@@ -21,13 +21,13 @@ from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning_fabric.strategies import ParallelStrategy
 from lightning_fabric.strategies.launchers import _SubprocessScriptLauncher
-from lightning_fabric.utilities.seed import reset_seed
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from modelpar._adapter import CoreStrategyMixin
 from modelpar._core import ParallelCore, ParallelizeFn
-from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, barrier, broadcast_object, detect_cluster
+from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, detect_cluster
 from modelpar._mesh import SizeArg
 from modelpar._precision import check_precision
 
@@ -50,7 +50,7 @@ class _BackwardSync:
         return self._core.no_backward_sync(module, enabled)
 
 
-class ModelParallelStrategy(_LightningModelParallelStrategy):
+class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     """FSDP2 + tensor parallelism on a 2-D ``("data_parallel", "tensor_parallel")`` device mesh.
 
     It subclasses Lightning's ``ModelParallelStrategy`` only so that every ``isinstance`` check in Lightning
@@ -90,6 +90,8 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
             them otherwise. When left out standalone, they are detected (torchrun, SLURM, ...; CUDA or CPU;
             32-bit precision).
     """
+
+    _launcher_cls = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -135,11 +137,6 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     # -- properties ----------------------------------------------------------------------------------
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The ``("data_parallel", "tensor_parallel")`` mesh; exists after :meth:`setup_environment`."""
-        return self._core.device_mesh
-
-    @property
     @override
     def precision(self) -> Precision:
         return self._precision if self._precision is not None else Precision()
@@ -169,15 +166,6 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         )
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RuntimeError(
-                f"`{type(self).__name__}.root_device` is unknown before `setup_environment()` (no devices yet)."
-            )
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes or 1
 
@@ -185,27 +173,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        """Processes (devices) per node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._core.sampler_kwargs()
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._core.process_group_backend
-
     # -- environment ---------------------------------------------------------------------------------
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None  # set by Fabric's connector before this hook
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def _fill_standalone_defaults(self) -> None:
         """Without Fabric, nobody has told us the cluster, devices or node count: detect them."""
         if self.cluster_environment is not None and self.accelerator is not None and self.parallel_devices:
@@ -218,39 +186,17 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         if not self._num_nodes:
             self._num_nodes = detected.num_nodes
 
-    def _set_world_ranks(self) -> None:
-        ParallelCore.set_world_ranks(
-            self.cluster_environment,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            per_node=self.num_processes,
-            nodes=self.num_nodes,
-        )
-
     @override
     def setup_environment(self) -> None:
         """Create the process group and the mesh; sizes are validated first, identically on every rank."""
         self._fill_standalone_defaults()
         ParallelStrategy.setup_environment(self)  # device set-up only; not Lightning's process-group code
-        reset_seed()
-        self._set_world_ranks()
-        assert self.cluster_environment is not None  # filled above
-        self._core.setup_distributed(
-            self.cluster_environment,
-            self.root_device,
-            num_nodes=self.num_nodes,
-            devices_per_node=self.num_processes,
-        )
+        self._start_distributed()
 
     @override
     def teardown(self) -> None:
         """Finish background saves and release the environment (never touching the absent ``checkpoint_io``)."""
-        self._core.checkpointer.wait()
-        if self.cluster_environment is not None:
-            self.cluster_environment.teardown()
-        self.precision.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
+        self._teardown_all(self.precision)
 
     # -- modules -------------------------------------------------------------------------------------
     @override
@@ -274,14 +220,6 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return all_reduce(tensor, self._core.resolve_group(group), reduce_op if reduce_op is not None else "sum")
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast_object(obj, src)
 
     # -- gradients -----------------------------------------------------------------------------------
     @override
@@ -313,12 +251,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Save ``state``: a reshardable folder by default, one file with ``save_distributed_checkpoint=False``."""
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
-                " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
-            )
-        path = Path(self.broadcast(str(path)))  # one path for all ranks, even if they computed different ones
+        path = self._checkpoint_path(path, storage_options)
         self._core.checkpointer.save(
             path,
             state,

@@ -26,7 +26,6 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 import torch
-from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from pytorch_lightning.strategies import ParallelStrategy
@@ -37,8 +36,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from modelpar._adapter import CoreStrategyMixin
 from modelpar._core import ParallelCore, ParallelizeFn
-from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, barrier, broadcast_object
+from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce
 from modelpar._mesh import SizeArg
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelParallelStrategy"]
 
 
-class ModelParallelStrategy(_LightningModelParallelStrategy):
+class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     """FSDP2 + tensor parallelism for ``pytorch_lightning.Trainer(strategy=...)``.
 
     Either the LightningModule parallelizes itself in ``configure_model()`` with ``self.device_mesh``, or pass
@@ -63,6 +63,8 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         parallelize_fn: optional ``(module, device_mesh) -> module`` applied to the LightningModule in place.
         async_save: checkpoints return once staged in CPU memory and are written in the background.
     """
+
+    _launcher_cls = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -91,30 +93,6 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     # -- properties ----------------------------------------------------------------------------------
     @property
-    def device_mesh(self) -> DeviceMesh:
-        return self._core.device_mesh
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RuntimeError(f"`{type(self).__name__}.root_device` is unknown before the Trainer sets devices.")
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self._core.sampler_kwargs()
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._core.process_group_backend
-
-    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # sharded models and optimizers must exist before their state can be loaded into them
@@ -126,30 +104,14 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     # -- environment ---------------------------------------------------------------------------------
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None  # set by the Trainer's connector before this hook
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
     def set_world_ranks(self) -> None:
-        ParallelCore.set_world_ranks(
-            self.cluster_environment,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            per_node=self.num_processes,
-            nodes=self.num_nodes,
-        )
+        """Called by the Trainer's connector; the bookkeeping is shared with the Fabric adapter."""
+        self._set_ranks()
 
     @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # device set-up only; not Lightning's process-group code
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None  # set by the Trainer's connector
-        mesh = self._core.setup_distributed(
-            self.cluster_environment, self.root_device, num_nodes=self.num_nodes, devices_per_node=self.num_processes
-        )
+        mesh = self._start_distributed()
         assert self.lightning_module is not None  # the Trainer connects the module before this hook
         self.lightning_module._device_mesh = mesh  # read by `LightningModule.device_mesh` in configure_model
 
@@ -211,22 +173,9 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._core.checkpointer.wait()
-        if self.cluster_environment is not None:
-            self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
+        self._teardown_all(self.precision_plugin)
 
     # -- collectives ---------------------------------------------------------------------------------
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)
-
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Reduce over ``group``; by default the **data-parallel** group.
@@ -270,12 +219,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write the Trainer's checkpoint dict atomically, in the same layout as Lightning's strategy."""
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
-                " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin."
-            )
-        path = Path(self.broadcast(str(filepath)))
+        path = self._checkpoint_path(filepath, storage_options)
         assert self.model is not None
         if not self._core.save_distributed_checkpoint:
             self._core.checkpointer.write(path, checkpoint, {}, full=True, live_modules=[self.model])

@@ -200,8 +200,38 @@ def case_single_device_interchange(root: Path) -> bool:
     return True
 
 
+class PlainModule(pl.LightningModule):
+    """No configure_model: the strategy has nothing to parallelize it with unless given parallelize_fn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _returns_another_module(module: Any, mesh: Any) -> Any:
+    return torch.nn.Linear(4, 4)
+
+
+def case_setup_errors() -> dict[str, str]:
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+    messages = {}
+    with pytest.raises(TypeError, match=r"has nothing to parallelize the model with\. Either override") as e1:
+        trainer(2, 1, 2, max_steps=1).fit(PlainModule(), data)
+    messages["neither"] = str(e1.value)
+    with pytest.raises(TypeError, match=r"must parallelize the LightningModule in place .* different Linear") as e2:
+        trainer(2, 1, 2, max_steps=1, parallelize_fn=_returns_another_module).fit(PlainModule(), data)
+    messages["other_module"] = str(e2.value)
+    return messages
+
+
 def grid_two(dummy: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"errors": case_setup_errors()}
     for dp, tp in ((2, 1), (1, 2)):
         out[f"fit_{dp}x{tp}"] = case_fit_validate_test_predict(dp, tp, 2)
         out[f"accumulate_{dp}x{tp}"] = case_accumulation_skips_reduction(dp, tp, 2)
@@ -288,3 +318,7 @@ def test_single_device_checkpoints_resume_here_and_ours_resume_on_a_single_devic
     t = _single_device_trainer(max_epochs=3)
     t.fit(module, loader(GLOBAL_BATCH), ckpt_path=root / "from-modelpar-full" / "epoch=1-step=2.ckpt")
     torch.testing.assert_close(module.model.state_dict(), reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
+
+
+def test_missing_parallelization_and_a_replaced_module_raise_clear_errors_on_every_rank(two):
+    assert two[0]["errors"] == two[1]["errors"]

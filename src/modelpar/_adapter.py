@@ -1,0 +1,112 @@
+"""The strategy glue that the Fabric and the Trainer adapters share, as one mixin.
+
+Fabric's and the Trainer's ``Strategy`` base classes are different classes, so each adapter must declare
+the hooks its framework calls; the bodies are the same and live here, once. The mixin comes first in
+each adapter's bases and relies only on what both bases provide (``parallel_devices``, ``local_rank``,
+``node_rank``, ``num_nodes``, ``cluster_environment``, ``accelerator``) plus the adapter's ``_core``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.utilities.seed import reset_seed
+
+from modelpar._core import ParallelCore
+from modelpar._distributed import barrier, broadcast_object
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["CoreStrategyMixin"]
+
+
+class CoreStrategyMixin:
+    """Hooks whose behaviour is the core's, whichever framework drives the strategy."""
+
+    _core: ParallelCore
+    _launcher: Any
+    _launcher_cls: Any  # the framework's subprocess launcher class
+    parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
+    local_rank: int
+    node_rank: int
+    num_nodes: int
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("data_parallel", "tensor_parallel")`` mesh; exists after ``setup_environment``."""
+        return self._core.device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError(
+                f"`{type(self).__name__}.root_device` is unknown before `setup_environment()` (no devices yet)."
+            )
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split data by data-parallel rank only: tensor-parallel peers must see the same batches."""
+        return self._core.sampler_kwargs()
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._core.process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None  # set by the framework's connector before this hook
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _set_ranks(self) -> None:
+        ParallelCore.set_world_ranks(
+            self.cluster_environment,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            per_node=self.num_processes,
+            nodes=self.num_nodes,
+        )
+
+    def _start_distributed(self) -> DeviceMesh:
+        """Seed, ranks, then the core's validated process group and mesh (after the base's device set-up)."""
+        reset_seed()
+        self._set_ranks()
+        assert self.cluster_environment is not None  # set by the connector, or detected standalone
+        return self._core.setup_distributed(
+            self.cluster_environment, self.root_device, num_nodes=self.num_nodes, devices_per_node=self.num_processes
+        )
+
+    def _checkpoint_path(self, path: Any, storage_options: Any) -> Path:
+        """Refuse ``storage_options`` (no ``CheckpointIO`` here); rank 0's path for all ranks."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
+                " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
+            )
+        return Path(self.broadcast(str(path)))  # one path for all ranks, even if they computed different ones
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)
+
+    def _teardown_all(self, precision: Any) -> None:
+        """Finish background saves, then release environment, precision and accelerator (no ``checkpoint_io``)."""
+        self._core.checkpointer.wait()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        precision.teardown()
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None:
+            accelerator.teardown()
