@@ -3,7 +3,7 @@
 # types, then run every test. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=dev bash scripts/setup-env.sh
+EXTRAS=dev,trainer bash scripts/setup-env.sh
 .venv/bin/ruff check src tests examples benchmarks
 .venv/bin/ruff format --check src tests examples benchmarks
 .venv/bin/mypy
