@@ -12,14 +12,19 @@ from modelpar.checkpoint._convert import convert_to_distributed, convert_to_file
 from modelpar.checkpoint._format import CheckpointFormat
 from modelpar.checkpoint._inspect import describe_checkpoint
 from modelpar.checkpoint._io import detect as detect_format
+from modelpar.checkpoint._names import clean_name
+from modelpar.checkpoint._rekey import optimizer_state_to_names, optimizer_state_to_positions
 
 __all__ = [
     "CheckpointFormat",
     "Checkpointer",
+    "clean_name",
     "convert_to_distributed",
     "convert_to_file",
     "describe_checkpoint",
     "detect_format",
     "load_state",
+    "optimizer_state_to_names",
+    "optimizer_state_to_positions",
     "save_state",
 ]

@@ -4,7 +4,9 @@
 DDP and single-device Lightning checkpoints hold and what ``optimizer.load_state_dict`` expects. Sharded
 checkpoints key by parameter name, which survives re-sharding and re-wrapping. The mapping between the two
 comes from the live optimizer's groups and the module's parameter names, so it is right with several groups
-and with frozen parameters (which are not in the optimizer and take no position).
+and with frozen parameters (which are not in the optimizer and take no position). Names are the stable ones
+(:mod:`modelpar.checkpoint._names`), so plain, FSDP1 (``use_orig_params=True``), FSDP2/TP, compiled and
+activation-checkpointed models all key alike; no FSDP1 object is needed.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from modelpar.checkpoint._names import named_parameters_clean
+
 __all__ = ["optimizer_state_to_names", "optimizer_state_to_positions"]
 
 
 def _names_in_order(module: nn.Module, optimizer: Optimizer) -> list[list[str]]:
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): n for n, p in named_parameters_clean(module).items()}
     groups = []
     for group in optimizer.param_groups:
         unknown = [p for p in group["params"] if id(p) not in names]

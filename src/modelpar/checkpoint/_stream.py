@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from modelpar.checkpoint._names import clean_name, named_parameters_clean
 from modelpar.checkpoint._rekey import optimizer_state_to_names
 
 __all__ = ["check_shapes", "load_full_model_state", "load_full_optimizer_state"]
@@ -55,7 +56,8 @@ def check_shapes(expected: Mapping[str, Any], saved_shapes: Mapping[str, Any], w
 
 def load_full_model_state(module: nn.Module, full_state: Mapping[str, Any], *, strict: bool, where: str) -> None:
     """Copy ``full_state`` (e.g. a memory-mapped full state dict) into ``module``'s shards, tensor by tensor."""
-    targets = module.state_dict()  # sharded DTensors / tensors sharing storage with the module
+    # Sharded DTensors / tensors sharing storage with the module, by stable name (no wrapper segments).
+    targets = {clean_name(k): v for k, v in module.state_dict().items()}
     missing = [k for k in targets if k not in full_state]
     unexpected = [k for k in full_state if k not in targets]
     if strict and (missing or unexpected):
@@ -82,7 +84,7 @@ def load_full_optimizer_state(
     more than its own shards.
     """
     full_osd = optimizer_state_to_names(full_osd, module, optimizer)
-    params = dict(module.named_parameters())
+    params = named_parameters_clean(module)
     unknown = [k for k in full_osd.get("state", {}) if k not in params]
     if unknown and strict:
         raise KeyError(
