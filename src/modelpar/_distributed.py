@@ -135,16 +135,23 @@ class DetectedCluster:
 
 
 def detect_cluster() -> DetectedCluster:
-    """Detect the launcher (torchrun, SLURM, LSF, MPI, else plain env vars) and this node's devices.
+    """Detect the launcher (torchrun, SLURM, LSF, MPI, else plain ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``/``NODE_RANK``
+    variables) and this node's devices.
 
     Devices per node come from ``LOCAL_WORLD_SIZE`` (torchrun), ``SLURM_NTASKS_PER_NODE``, or else the
     whole world is taken to be on one node. CUDA is used when available, the CPU otherwise.
     """
-    environment: ClusterEnvironment = LightningEnvironment()
+    environment: ClusterEnvironment | None = None
     for env_cls in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment):
         if env_cls.detect():
             environment = env_cls()
             break
+    if environment is None:
+        # Plain variables (Lightning's own launcher, custom scripts): LightningEnvironment reads the addresses,
+        # LOCAL_RANK and NODE_RANK, but not WORLD_SIZE / RANK, which it expects to be told.
+        environment = LightningEnvironment()
+        environment.set_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+        environment.set_global_rank(int(os.environ.get("RANK", "0")))
     world_size = environment.world_size()
     per_node_env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
     per_node = int(per_node_env) if per_node_env else world_size

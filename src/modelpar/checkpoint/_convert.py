@@ -264,6 +264,18 @@ class _Buffer:
         return self._storage[:nbytes].view(dtype).view(shape)
 
 
+def _tensors_in(value: Any, path: Path_) -> Iterator[tuple[Path_, torch.Tensor]]:
+    """Tensors reachable through dicts, lists and tuples, with their paths (metadata may hold a few)."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors_in(item, (*path, key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors_in(item, (*path, index))
+
+
 def _write_at(file: io.BufferedRandom, tensor: torch.Tensor, offset: int) -> None:
     file.seek(offset)
     file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
@@ -337,10 +349,15 @@ def convert_to_file(
         with torch.serialization.skip_data():
             torch.save(layout, staged)
         del layout
-        offsets = _storage_offsets(staged, [item.path for item, _ in tensors])
+        meta_tensors = list(_tensors_in(metadata, ()))  # e.g. a ModelCheckpoint's best score in meta.pt
+        offsets = _storage_offsets(staged, [item.path for item, _ in tensors] + [path for path, _ in meta_tensors])
         with staged.open("r+b") as file:
+            for (_, value), offset in zip(meta_tensors, offsets[len(tensors) :], strict=True):
+                if offset is not None:  # its whole storage: that is what torch.save records
+                    raw = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+                    _write_at(file, raw, offset)
             read_buffer, cast_buffer = _Buffer(), _Buffer()
-            for (item, meta), offset in zip(tensors, offsets, strict=True):
+            for (item, meta), offset in zip(tensors, offsets[: len(tensors)], strict=True):
                 tensor = read_buffer.view(meta.size, meta.properties.dtype)
                 _dcp_load({item.key: tensor}, reader, src_path)
                 if out_dtypes[item.key] != tensor.dtype:

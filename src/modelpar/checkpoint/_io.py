@@ -187,21 +187,33 @@ def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only
 def load_trainer_layout(
     path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
-    """Restore ``"state_dict"`` and the optimizers of a Lightning Trainer checkpoint; return the rest of it."""
+    """Restore the model and the optimizers of a Lightning Trainer checkpoint; return the rest of it.
+
+    Distributed folders hold the model under ``"state_dict"`` (Lightning's ``ModelParallelStrategy``, ours) or
+    ``"model"`` (Lightning's FSDP1 ``FSDPStrategy``), and the optimizers as ``"optimizer_<i>"``.
+    """
     if detect(path) is CheckpointFormat.DISTRIBUTED:
+        # Lightning's ModelParallelStrategy keys the model "state_dict"; its FSDP (FSDP1) strategy keys it "model".
+        keys = list(_read_metadata(path).state_dict_metadata)
+        has_state_dict = any(k.startswith("state_dict.") for k in keys)
+        model_key = "model" if not has_state_dict and any(k.startswith("model.") for k in keys) else "state_dict"
         split = SplitState(
-            modules={"state_dict": module},
+            modules={model_key: module},
             optimizers={f"optimizer_{i}": (opt, module) for i, opt in enumerate(optimizers)},
         )
         return _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)
     checkpoint = _torch_load(path, weights_only)
-    if "state_dict" not in checkpoint:
+    model_key = "state_dict" if "state_dict" in checkpoint else "model"  # "model": a converted FSDP1 folder
+    if model_key not in checkpoint:
         raise KeyError(
             f"The checkpoint file {str(path)!r} has no 'state_dict' entry, so it was not written by a Lightning"
             f" Trainer (it has: {', '.join(map(repr, list(checkpoint)[:8]))}). Load it with `fabric.load` instead."
         )
-    load_full_model_state(module, checkpoint.pop("state_dict"), strict=strict, where=f"{str(path)!r} ['state_dict']")
-    saved = checkpoint.pop("optimizer_states", [])
+    load_full_model_state(module, checkpoint.pop(model_key), strict=strict, where=f"{str(path)!r} [{model_key!r}]")
+    saved = checkpoint.pop("optimizer_states", None)
+    if saved is None:  # a converted folder keeps the folder's "optimizer_<i>" entries
+        numbered = sorted((k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k[10:]))
+        saved = [checkpoint.pop(k) for k in numbered]
     if optimizers and len(saved) != len(optimizers):
         hint = (
             " It holds only the model (saved with `save_weights_only=True`?): load it with `ckpt_path` in"

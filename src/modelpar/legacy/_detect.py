@@ -5,12 +5,16 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from modelpar.checkpoint import clean_name
+
 __all__ = ["find_fsdp1_modules", "reject_fsdp1_modules"]
 
 
 def find_fsdp1_modules(module: nn.Module) -> list[str]:
-    """Qualified names of the FSDP1-wrapped modules in ``module`` (``"<root>"`` for the module itself)."""
-    return [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    """Names (as in the unwrapped model) of the FSDP1-wrapped modules in ``module``; ``"<root>"`` for itself."""
+    return [
+        clean_name(name) or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)
+    ]
 
 
 def reject_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
