@@ -230,8 +230,47 @@ def case_setup_errors() -> dict[str, str]:
     return messages
 
 
+_DTYPES = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+class SGDModule(LlamaModule):
+    """SGD: AdamW in pure bf16/fp16 turns rounding differences near zero gradients into large updates."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def case_precision(precision: str) -> dict[str, Any]:
+    """One step in ``precision`` on 1x2 against the same step on one process in the same precision."""
+    from parity import global_batches, lm_loss, reference_model
+
+    t = trainer(1, 2, 2, max_steps=1, precision=precision)
+    module = SGDModule()
+    t.fit(module, loader(GLOBAL_BATCH))
+    dtype = _DTYPES[precision]
+    # The Trainer builds the model under the precision's default dtype, and initializing in bf16 draws other
+    # values than initializing in fp32 and casting: build the reference the same way.
+    torch.set_default_dtype(dtype)
+    try:
+        ref = reference_model()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = global_batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = lm_loss(ref(x), y)
+    loss.backward()
+    opt.step()
+    got = full_weights(module)
+    assert {v.dtype for v in got.values()} == {dtype}
+    torch.testing.assert_close(got, ref.state_dict(), atol=3e-2, rtol=3e-2, msg=lambda m: f"{precision}: {m}")
+    return {"loss": float(t.callback_metrics["train_loss"]), "ref_loss": loss.item()}
+
+
 def grid_two(dummy: int) -> dict[str, Any]:
     out: dict[str, Any] = {"errors": case_setup_errors()}
+    for precision in _DTYPES:
+        out[f"precision_{precision}"] = case_precision(precision)
     for dp, tp in ((2, 1), (1, 2)):
         out[f"fit_{dp}x{tp}"] = case_fit_validate_test_predict(dp, tp, 2)
         out[f"accumulate_{dp}x{tp}"] = case_accumulation_skips_reduction(dp, tp, 2)
@@ -322,3 +361,9 @@ def test_single_device_checkpoints_resume_here_and_ours_resume_on_a_single_devic
 
 def test_missing_parallelization_and_a_replaced_module_raise_clear_errors_on_every_rank(two):
     assert two[0]["errors"] == two[1]["errors"]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true"])
+def test_precision_flags_train_like_the_reference_in_the_same_precision(two, precision):
+    result = two[0][f"precision_{precision}"]
+    assert abs(result["loss"] - result["ref_loss"]) < 3e-2, result
