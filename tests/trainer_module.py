@@ -77,6 +77,17 @@ class LlamaModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A Trainer without logger, progress bar, summary or sanity check; ``kwargs`` override."""
+    defaults: dict[str, Any] = {
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
 def parallelize_lightning_module(module: LlamaModule, mesh: Any) -> LlamaModule:
     """A `parallelize_fn` for the strategy: shards the LightningModule's model in place, returns the module."""
     parallelize_llama(module.model, mesh)
@@ -113,5 +124,6 @@ __all__ = [
     "LlamaModule",
     "loader",
     "parallelize_lightning_module",
+    "quiet_trainer",
     "reference_run",
 ]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
@@ -46,7 +45,7 @@ from modelpar.checkpoint import (
 from modelpar.plans import parallelize_llama
 from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
 from parity import full, global_batches, lm_loss, make_fabric, reference_model
-from trainer_module import GLOBAL_BATCH, LlamaModule, loader, reference_run
+from trainer_module import GLOBAL_BATCH, LlamaModule, loader, quiet_trainer, reference_run
 
 LR = 1e-2
 CPU = torch.device("cpu")
@@ -142,14 +141,10 @@ def write_fsdp1_checkpoints(root: Path) -> dict[str, Any]:
         torch.save({"loss": global_loss.item() / 2, "model": sd_next}, root / "truth-next.pt")
     out["detect"] = _fsdp1_models_are_refused()
     for kind in ("sharded", "full"):
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             max_epochs=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
             strategy=CPUTrainerFSDPStrategy(state_dict_type=kind, timeout=PG_TIMEOUT),
             callbacks=[ModelCheckpoint(dirpath=root / f"trainer-{kind}")],
         )
@@ -183,14 +178,11 @@ def _fsdp1_models_are_refused() -> dict[str, str]:
     with pytest.raises(TypeError, match=r"wrapped with FSDP1") as e:
         standalone.setup_module(fsdp1_wrap(reference_model()))
     messages["standalone"] = str(e.value)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
         strategy=TrainerStrategy(2, 1, timeout=PG_TIMEOUT),
-        enable_model_summary=False,
     )
     with pytest.raises(TypeError, match=r"wrapped with FSDP1 .*'model', 'model\.layers\.0'") as e2:
         trainer.fit(FSDP1Module(), loader(GLOBAL_BATCH // 2))
@@ -259,15 +251,11 @@ def load_into_fsdp2_tp(root: Path) -> dict[str, Any]:
     _assert_truth(smodel, sopt, truth, "fabric-sharded -> standalone 1x4")
     # the Trainer resumes FSDP1 Trainer checkpoints on other layouts and matches the reference
     for kind, layout in (("sharded", (2, 2)), ("full", (1, 4))):
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             num_nodes=2,
             max_epochs=3,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
             strategy=TrainerStrategy(*layout, timeout=PG_TIMEOUT),
         )
         module = LlamaModule()

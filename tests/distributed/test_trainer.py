@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from harness import PG_TIMEOUT, run_distributed
 from modelpar.trainer import ModelParallelStrategy
-from trainer_module import GLOBAL_BATCH, LlamaModule, loader, parallelize_lightning_module, reference_run
+from trainer_module import GLOBAL_BATCH, LlamaModule, loader, parallelize_lightning_module, quiet_trainer, reference_run
 
 
 def full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
@@ -40,13 +40,9 @@ def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> pl.T
         "devices": world // nodes,
         "num_nodes": nodes,
         "strategy": strategy,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
         "enable_checkpointing": False,
-        "num_sanity_val_steps": 0,
     }
-    return pl.Trainer(**{**defaults, **kwargs})
+    return quiet_trainer(**{**defaults, **kwargs})
 
 
 def per_rank(dp: int) -> int:
@@ -162,15 +158,11 @@ def case_lightning_checkpoints_load_into_ours(root: Path, distributed: bool) -> 
     from pytorch_lightning.strategies import ModelParallelStrategy as LightningStrategy
 
     tag = "dist" if distributed else "full"
-    lightning = pl.Trainer(
+    lightning = quiet_trainer(
         accelerator="cpu",
         devices=2,
         num_nodes=2,
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         strategy=LightningStrategy(2, 2, save_distributed_checkpoint=distributed, timeout=PG_TIMEOUT),
         callbacks=[ModelCheckpoint(dirpath=root / f"lightning-{tag}", save_top_k=-1)],
     )
@@ -290,13 +282,9 @@ def grid_four(root: Path) -> dict[str, Any]:
 # tests
 # ---------------------------------------------------------------------------------------------------
 def _single_device_trainer(**kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
+    return quiet_trainer(
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         **kwargs,
     )
 
