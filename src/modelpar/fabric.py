@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["ModelParallelStrategy"]
 
 TModel = TypeVar("TModel", bound=nn.Module)
-TBroadcast = TypeVar("TBroadcast")
 
 
 class _BackwardSync:
