@@ -6,6 +6,7 @@ Fabric adapter, the Trainer adapter and a plain ``torchrun`` script all go throu
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,6 +73,18 @@ def init_process_group(
         timeout=timeout or DEFAULT_TIMEOUT,
         **kwargs,
     )
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """Shut down the group we created before the interpreter tears down.
+
+    Left to C++ static destructors, gloo's communication threads can abort a finished script at exit
+    ("terminate called without an active exception"), depending on which rank exits first. Background
+    checkpoint writes are joined before atexit handlers run, so nothing is cut short here.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
