@@ -317,7 +317,7 @@ def case_several_models_and_bad_files(root: Path) -> dict[str, Any]:
         for shard in (root / "2x2").glob("*.distcp"):
             (root / "unfinished" / shard.name).write_bytes(shard.read_bytes())
     dist.barrier()
-    with pytest.raises(ValueError, match=r"truncated\.pt' cannot be read: it is truncated or corrupt"):
+    with pytest.raises(ValueError, match=r"truncated\.pt' cannot be read: it is truncated, corrupt"):
         fabric.load(root / "truncated.pt", {"model": gen})
     with pytest.raises(ValueError, match=r"unfinished' is incomplete: it has shard files but no '\.metadata'"):
         fabric.load(root / "unfinished", {"model": gen})

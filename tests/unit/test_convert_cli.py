@@ -177,7 +177,10 @@ def test_errors_name_the_path_what_it_is_and_the_fix(source, tmp_path):
     ):
         convert_to_distributed(tmp_path / "meta_only.pt", tmp_path / "out")
     (tmp_path / "text.pt").write_text("not a checkpoint")
-    with pytest.raises(ValueError, match=r"The file '.*text\.pt' is not a readable `torch\.save` checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"The checkpoint file '.*text\.pt' cannot be read: it is truncated, corrupt, or not a checkpoint",
+    ):
         convert_to_distributed(tmp_path / "text.pt", tmp_path / "out")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.pt").exists()
 

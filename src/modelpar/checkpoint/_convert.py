@@ -42,10 +42,9 @@ from modelpar.checkpoint._inspect import (
     is_state_entry,
     iter_tensors,
     read_dcp_metadata,
-    read_full_checkpoint,
     read_user_metadata,
 )
-from modelpar.checkpoint._io import detect
+from modelpar.checkpoint._io import detect, read_full_checkpoint
 from modelpar.checkpoint._progress import Progress
 
 __all__ = ["convert_to_distributed", "convert_to_file"]

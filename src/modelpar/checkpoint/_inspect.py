@@ -8,7 +8,6 @@ small ``meta.pt``; a full file is memory-mapped, so listing it touches no tensor
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
-from modelpar.checkpoint._io import detect
+from modelpar.checkpoint._io import detect, read_full_checkpoint
 
 __all__ = [
     "describe_checkpoint",
@@ -26,7 +25,6 @@ __all__ = [
     "is_state_entry",
     "iter_tensors",
     "read_dcp_metadata",
-    "read_full_checkpoint",
     "read_user_metadata",
 ]
 
@@ -69,28 +67,6 @@ def is_state_entry(value: Any) -> bool:
     values = list(value.values())
     flat = not any(isinstance(v, (Mapping, list, tuple)) for v in values)
     return flat and any(isinstance(v, torch.Tensor) for v in values)
-
-
-def read_full_checkpoint(path: Path) -> dict[str, Any]:
-    """The memory-mapped contents of a full file; errors say why a file is not a readable checkpoint."""
-    try:
-        loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"The checkpoint file {str(path)!r} holds objects that `torch.load(weights_only=True)` refuses ({err})."
-            " If you trust the file, allow their types with `torch.serialization.add_safe_globals`."
-        ) from err
-    except (RuntimeError, EOFError, OSError) as err:  # torch's "not a zip archive", truncated files
-        raise ValueError(
-            f"The file {str(path)!r} is not a readable `torch.save` checkpoint ({type(err).__name__}: {err})."
-            " It is truncated, corrupt, or not a checkpoint."
-        ) from err
-    if not isinstance(loaded, dict):
-        raise ValueError(
-            f"The checkpoint file {str(path)!r} holds a {type(loaded).__name__}, not a dict of state like"
-            " `{'model': ..., 'optimizer': ..., 'step': ...}`."
-        )
-    return loaded
 
 
 def read_dcp_metadata(folder: Path) -> Metadata:

@@ -34,7 +34,7 @@ from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointF
 from modelpar.checkpoint._state import FilterFns, SplitState, apply_filter, metadata_of, restore_metadata
 from modelpar.checkpoint._stream import check_shapes, load_full_model_state, load_full_optimizer_state
 
-__all__ = ["detect", "gather_state", "load", "load_raw_module", "load_trainer_layout"]
+__all__ = ["detect", "gather_state", "load", "load_raw_module", "load_trainer_layout", "read_full_checkpoint"]
 
 
 def detect(path: Path) -> CheckpointFormat:
@@ -75,7 +75,7 @@ def load(
     """Restore models, optimizers and metadata from ``path`` (format detected); return the unrequested rest."""
     if detect(path) is CheckpointFormat.DISTRIBUTED:
         return _load_distributed(path, split, state, strict=strict, weights_only=weights_only)
-    checkpoint = _torch_load(path, weights_only)
+    checkpoint = read_full_checkpoint(path, weights_only)
     for key, module in split.modules.items():
         if key not in checkpoint:
             _missing(path, key, strict, list(checkpoint))
@@ -98,8 +98,11 @@ def _missing(path: Path, key: str, strict: bool, present: list[str]) -> None:
         )
 
 
-def _torch_load(path: Path, weights_only: bool | None) -> dict[str, Any]:
-    # mmap: every rank maps the file instead of reading a private copy of the whole model into memory.
+def read_full_checkpoint(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
+    """The memory-mapped contents of a full file; errors say why a file is not a readable checkpoint.
+
+    mmap: every rank maps the file instead of reading a private copy of the whole model into memory.
+    """
     try:
         loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
@@ -112,7 +115,7 @@ def _torch_load(path: Path, weights_only: bool | None) -> dict[str, Any]:
         ) from err
     except Exception as err:  # torch raises RuntimeError, EOFError ... for damaged files
         raise ValueError(
-            f"The checkpoint file {str(path)!r} cannot be read: it is truncated or corrupt"
+            f"The checkpoint file {str(path)!r} cannot be read: it is truncated, corrupt, or not a checkpoint"
             f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})."
         ) from err
     if not isinstance(loaded, dict):
@@ -163,14 +166,14 @@ def _load_distributed(
         _dcp_load({key: optim_state}, path, strict)
         set_optimizer_state_dict(owner, optimizer, optim_state)
     meta_path = path / USER_METADATA
-    saved_meta: dict[str, Any] = _torch_load(meta_path, weights_only) if meta_path.is_file() else {}
+    saved_meta: dict[str, Any] = read_full_checkpoint(meta_path, weights_only) if meta_path.is_file() else {}
     return restore_metadata(split.other, state, saved_meta, strict, str(path))
 
 
 def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only: bool | None) -> None:
     """Load weights only into ``module`` (sharded or plain): a raw state-dict file, or a model in a folder."""
     if detect(path) is CheckpointFormat.FULL:
-        load_full_model_state(module, _torch_load(path, weights_only), strict=strict, where=repr(str(path)))
+        load_full_model_state(module, read_full_checkpoint(path, weights_only), strict=strict, where=repr(str(path)))
         return
     saved = _read_metadata(path).state_dict_metadata
     names = list(get_model_state_dict(module))
@@ -202,7 +205,7 @@ def load_trainer_layout(
             optimizers={f"optimizer_{i}": (opt, module) for i, opt in enumerate(optimizers)},
         )
         return _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)
-    checkpoint = _torch_load(path, weights_only)
+    checkpoint = read_full_checkpoint(path, weights_only)
     model_key = "state_dict" if "state_dict" in checkpoint else "model"  # "model": a converted FSDP1 folder
     if model_key not in checkpoint:
         raise KeyError(
