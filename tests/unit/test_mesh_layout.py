@@ -2,7 +2,7 @@
 
 import pytest
 
-from modelpar import MeshLayout
+from modelpar import MeshLayout, MeshSizeError
 
 
 def resolve(dp, tp, world=4, nodes=1, per_node=4):
@@ -27,7 +27,7 @@ def test_sizes_resolve_to_a_layout_whose_product_is_the_world_size(dp, tp, nodes
 
 
 def test_explicit_sizes_with_the_wrong_product_name_the_values_and_the_fix():
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(MeshSizeError) as e:
         resolve(3, 2)
     assert str(e.value) == (
         "`data_parallel_size=3` x `tensor_parallel_size=2` = 6, but the world size is 4. Choose sizes whose"

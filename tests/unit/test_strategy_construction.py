@@ -24,6 +24,13 @@ def test_public_surface_is_what_we_mean():
         "SUPPORTED_PRECISIONS",
         "clip_grad_norm",
         "clip_grad_value",
+        "MeshSizeError",
+        "CheckpointNotFoundError",
+        "CheckpointKeyError",
+        "CheckpointShapeError",
+        "CorruptCheckpointError",
+        "WeightsOnlyError",
+        "UnsupportedReduceOpError",
         "__version__",
     }
     assert modelpar.MESH_AXES == ("data_parallel", "tensor_parallel")
