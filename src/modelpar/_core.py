@@ -68,6 +68,8 @@ class ParallelCore:
         self.process_group_backend = process_group_backend
         self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
         self.layout: MeshLayout | None = None
+        #: False only when standalone detection could not tell the processes per node ("auto" is refused then).
+        self.per_node_known = True
         self._device_mesh: DeviceMesh | None = None
         self.grad_sync = GradientSyncControl()
         self.checkpointer = Checkpointer(async_save=async_save)
@@ -113,6 +115,7 @@ class ParallelCore:
             world_size=cluster_environment.world_size(),
             num_nodes=num_nodes,
             devices_per_node=devices_per_node,
+            per_node_known=self.per_node_known,
         )
         backend = self.process_group_backend or default_backend(root_device)
         self.process_group_backend = backend

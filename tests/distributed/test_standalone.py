@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from harness import free_port
+from harness import free_port, run_distributed
 
 SCRIPT = Path(__file__).with_name("standalone_script.py")
 
@@ -52,3 +53,30 @@ def test_standalone_on_two_simulated_nodes_resolves_auto_to_2x2(tmp_path):
     results = _results(tmp_path, 4)
     assert all(r["mesh"] == [2, 2] and r["num_nodes"] == 2 for r in results)
     assert len({tuple(r["losses"]) for r in results}) == 1
+
+
+def case_launcher_without_per_node_counts(sizes: tuple[Any, Any]) -> dict[str, Any]:
+    """Like mpirun without Open MPI's variables: WORLD_SIZE/RANK only, so nobody knows processes per node."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        os.environ.pop(name, None)
+    from harness import PG_TIMEOUT
+    from modelpar import MeshSizeError, ModelParallelStrategy
+    from modelpar.plans import parallelize_llama
+
+    strategy = ModelParallelStrategy(parallelize_llama, *sizes, timeout=PG_TIMEOUT)
+    try:
+        strategy.setup_environment()
+    except MeshSizeError as err:
+        return {"error": str(err)}
+    return {"mesh": list(strategy.device_mesh.shape)}
+
+
+def test_auto_sizes_are_refused_on_every_rank_when_no_launcher_variable_gives_the_processes_per_node():
+    results = run_distributed(case_launcher_without_per_node_counts, 2, ("auto", "auto"))
+    assert results[0] == results[1] and "error" in results[0]
+    assert "per node" in results[0]["error"] and "tensor_parallel_size" in results[0]["error"]
+
+
+def test_explicit_sizes_work_when_the_processes_per_node_are_unknown():
+    results = run_distributed(case_launcher_without_per_node_counts, 2, (2, 1))
+    assert [r["mesh"] for r in results] == [[2, 1], [2, 1]]
