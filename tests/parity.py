@@ -8,6 +8,7 @@ values. The sharded model sees only its data-parallel slice of that batch.
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,18 @@ GLOBAL_BATCH = 8
 SEQ = 12
 ATOL, RTOL = 2e-5, 1e-4
 
+#: Lightning Fabric's two namespaces: the standalone package and the unified ``lightning`` package.
+FABRIC_NAMESPACES = ("lightning_fabric", "lightning.fabric")
+_fabric_namespace = FABRIC_NAMESPACES[0]
+
+
+def use_fabric_namespace(namespace: str) -> None:
+    """Which namespace's ``Fabric`` :func:`make_fabric` builds in this process (grids set it first)."""
+    global _fabric_namespace
+    if namespace not in FABRIC_NAMESPACES:
+        raise ValueError(f"unknown Fabric namespace {namespace!r}")
+    _fabric_namespace = namespace
+
 
 def make_fabric(
     dp: Any,
@@ -40,7 +53,8 @@ def make_fabric(
     **strategy_kwargs: Any,
 ) -> Fabric:
     strategy = ModelParallelStrategy(parallelize_fn, dp, tp, timeout=PG_TIMEOUT, **strategy_kwargs)
-    fabric = Fabric(
+    fabric_cls = importlib.import_module(_fabric_namespace).Fabric
+    fabric = fabric_cls(
         accelerator="cpu",
         devices=world_size // num_nodes,
         num_nodes=num_nodes,
@@ -48,6 +62,7 @@ def make_fabric(
         precision=precision,  # type: ignore[arg-type]
     )
     fabric.launch()
+    assert type(fabric).__module__.startswith(_fabric_namespace)
     return fabric
 
 

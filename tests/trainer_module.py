@@ -2,13 +2,21 @@
 
 The module parallelizes itself in ``configure_model`` when the strategy gives it a mesh, so the very same
 class also runs on a single device or under DDP (for checkpoint interchange tests).
+
+Every Trainer test runs under both Lightning namespaces (``pytorch_lightning`` and ``lightning.pytorch``), whose
+classes are distinct: a ``lightning.pytorch.Trainer`` wants a ``lightning.pytorch.LightningModule`` and
+callbacks. So the test classes are written once as bodies and combined with the base classes of the namespace
+chosen by :func:`use_namespace`; :func:`lightning` returns that namespace's classes.
 """
 
 from __future__ import annotations
 
+import importlib
+import tempfile
+from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -35,9 +43,26 @@ def loader(per_rank_batch: int, micro_batches: int = 1) -> DataLoader:
     return DataLoader(dataset(micro_batches), batch_size=per_rank_batch, shuffle=False)
 
 
-class LlamaModule(pl.LightningModule):
+TRAINER_NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
+_namespace = TRAINER_NAMESPACES[0]
+
+
+def use_namespace(namespace: str) -> None:
+    """Which Lightning namespace :func:`lightning` and :func:`quiet_trainer` use in this process."""
+    global _namespace
+    if namespace not in TRAINER_NAMESPACES:
+        raise ValueError(f"unknown Trainer namespace {namespace!r}")
+    _namespace = namespace
+
+
+class _LlamaBody:
+    """The LightningModule's methods; :func:`lightning` puts them on the namespace's ``LightningModule``."""
+
+    device_mesh: Any
+    trainer: Any
+
     def __init__(self, build_in_init: bool = False) -> None:
-        super().__init__()
+        super().__init__()  # the namespace's LightningModule
         self.model: Any = reference_model() if build_in_init else None
         self.grad_none_after_backward: list[bool] = []
 
@@ -51,44 +76,116 @@ class LlamaModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = lm_loss(self.model(x), y)
-        self.log("train_loss", loss, sync_dist=True)
+        self.log("train_loss", loss, sync_dist=True)  # type: ignore[attr-defined]
         return loss
 
     def on_after_backward(self) -> None:
-        self.grad_none_after_backward.append(all(p.grad is None for p in self.parameters()))
+        self.grad_none_after_backward.append(all(p.grad is None for p in self.parameters()))  # type: ignore[attr-defined]
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", lm_loss(self.model(x), y), sync_dist=True)
+        self.log("val_loss", lm_loss(self.model(x), y), sync_dist=True)  # type: ignore[attr-defined]
         dp = self.trainer.strategy.distributed_sampler_kwargs if self.device_mesh is not None else {"rank": 0}
-        self.log("dp_rank_plus_one", float(dp["rank"] + 1), sync_dist=True, reduce_fx="sum")
+        self.log("dp_rank_plus_one", float(dp["rank"] + 1), sync_dist=True, reduce_fx="sum")  # type: ignore[attr-defined]
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("test_loss", lm_loss(self.model(x), y), sync_dist=True)
+        self.log("test_loss", lm_loss(self.model(x), y), sync_dist=True)  # type: ignore[attr-defined]
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, _ = batch
         return self.model(x).argmax(-1)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LR)  # type: ignore[attr-defined]
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def quiet_trainer(**kwargs: Any) -> pl.Trainer:
-    """A Trainer without logger, progress bar, summary or sanity check; ``kwargs`` override."""
+class _SGDBody(_LlamaBody):
+    """SGD: AdamW in pure bf16/fp16 turns rounding differences near zero gradients into large updates."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)  # type: ignore[attr-defined]
+
+
+class _PlainBody:
+    """No configure_model: the strategy has nothing to parallelize it with unless given parallelize_fn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)  # type: ignore[attr-defined]
+
+
+class _CountingBody:
+    """Callback state that must survive a resume."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = state["batches"]
+
+
+@cache
+def _classes(namespace: str) -> SimpleNamespace:
+    pl = importlib.import_module(namespace)
+    callbacks = importlib.import_module(f"{namespace}.callbacks")
+
+    def make(name: str, *bases: type) -> type:
+        return type(name, bases, {"__module__": __name__, "__qualname__": name})
+
+    llama = make("LlamaModule", _LlamaBody, pl.LightningModule)
+    return SimpleNamespace(
+        name=namespace,
+        pl=pl,
+        Trainer=pl.Trainer,
+        LightningModule=pl.LightningModule,
+        Callback=callbacks.Callback,
+        ModelCheckpoint=callbacks.ModelCheckpoint,
+        LightningModelParallelStrategy=importlib.import_module(f"{namespace}.strategies").ModelParallelStrategy,
+        LlamaModule=llama,
+        SGDModule=make("SGDModule", _SGDBody, llama),
+        PlainModule=make("PlainModule", _PlainBody, pl.LightningModule),
+        CountingCallback=make("CountingCallback", _CountingBody, callbacks.Callback),
+    )
+
+
+def lightning() -> SimpleNamespace:
+    """The current namespace's Lightning classes and the test classes built on them."""
+    return _classes(_namespace)
+
+
+@cache
+def _scratch_root() -> str:
+    return tempfile.mkdtemp(prefix="modelpar-trainer-")
+
+
+def quiet_trainer(**kwargs: Any) -> Any:
+    """A Trainer without logger, progress bar, summary or sanity check, writing only to a temporary folder."""
     defaults: dict[str, Any] = {
         "logger": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
+        "default_root_dir": _scratch_root(),  # never the working tree (ModelCheckpoint's default dirpath)
     }
-    return pl.Trainer(**{**defaults, **kwargs})
+    return lightning().Trainer(**{**defaults, **kwargs})
 
 
-def parallelize_lightning_module(module: LlamaModule, mesh: Any) -> LlamaModule:
+def parallelize_lightning_module(module: Any, mesh: Any) -> Any:
     """A `parallelize_fn` for the strategy: shards the LightningModule's model in place, returns the module."""
     parallelize_llama(module.model, mesh)
     return module
@@ -118,12 +215,18 @@ def reference_run(
     return model, losses
 
 
+#: The standalone namespace's LightningModule, for tests that run one namespace only (the FSDP1 migration).
+LlamaModule: Any = _classes(TRAINER_NAMESPACES[0]).LlamaModule
+
 __all__ = [
     "CFG",
     "GLOBAL_BATCH",
     "LlamaModule",
+    "TRAINER_NAMESPACES",
+    "lightning",
     "loader",
     "parallelize_lightning_module",
     "quiet_trainer",
     "reference_run",
+    "use_namespace",
 ]

@@ -17,6 +17,7 @@ from lightning_fabric.utilities.seed import reset_seed
 
 from modelpar._core import ParallelCore
 from modelpar._distributed import barrier, broadcast_object
+from modelpar._lightning import Framework, load, strategy_repr
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -29,7 +30,7 @@ class CoreStrategyMixin:
 
     _core: ParallelCore
     _launcher: Any
-    _launcher_cls: Any  # the framework's subprocess launcher class
+    _framework: Framework  # "fabric" or "pytorch": which Lightning framework the adapter serves
     parallel_devices: list[torch.device] | None
     cluster_environment: ClusterEnvironment | None
     local_rank: int
@@ -63,10 +64,17 @@ class CoreStrategyMixin:
     def process_group_backend(self) -> str | None:
         return self._core.process_group_backend
 
+    def __repr__(self) -> str:
+        return strategy_repr(self, self._framework)
+
     def _configure_launcher(self) -> None:
+        """The subprocess launcher of the namespace (``lightning.*`` or standalone) that connected us."""
         assert self.cluster_environment is not None  # set by the framework's connector before this hook
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
+            launcher_cls = load(
+                self._framework, "strategies.launchers._SubprocessScriptLauncher", like=self.cluster_environment
+            )
+            self._launcher = launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _set_ranks(self) -> None:
         ParallelCore.set_world_ranks(

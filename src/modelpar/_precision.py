@@ -6,7 +6,9 @@ class, so a strategy that is not that class must check for itself, at the moment
 
 from __future__ import annotations
 
-from lightning_fabric.plugins import HalfPrecision, MixedPrecision, Precision
+from typing import Any
+
+from modelpar._lightning import classes
 
 __all__ = ["SUPPORTED_PRECISIONS", "check_precision"]
 
@@ -22,14 +24,16 @@ _WHY = {
 }
 
 
-def check_precision(precision: Precision, strategy_name: str) -> None:
+def check_precision(precision: Any, strategy_name: str) -> None:
     """Raise ``ValueError`` unless ``precision`` is one of the plugins Fabric builds for the supported names.
 
     The type is checked as well as the name: a third-party plugin (quantization, transformer-engine)
-    rewrites modules in ways FSDP2 does not expect even when it reports a supported name.
+    rewrites modules in ways FSDP2 does not expect even when it reports a supported name. The plugin may
+    come from either Lightning namespace (``lightning.fabric`` or ``lightning_fabric``).
     """
     name = str(getattr(precision, "precision", type(precision).__name__))
-    known_type = type(precision) is Precision or isinstance(precision, (MixedPrecision, HalfPrecision))
+    mixed_or_half = classes("fabric", "plugins.MixedPrecision") + classes("fabric", "plugins.HalfPrecision")
+    known_type = type(precision) in classes("fabric", "plugins.Precision") or isinstance(precision, mixed_or_half)
     if known_type and name in SUPPORTED_PRECISIONS:
         return
     raise ValueError(

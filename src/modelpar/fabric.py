@@ -20,7 +20,6 @@ from lightning_fabric.plugins import CheckpointIO, Precision
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning_fabric.strategies import ParallelStrategy
-from lightning_fabric.strategies.launchers import _SubprocessScriptLauncher
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -28,6 +27,7 @@ from typing_extensions import override
 from modelpar._adapter import CoreStrategyMixin
 from modelpar._core import ParallelCore, ParallelizeFn
 from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, detect_cluster
+from modelpar._lightning import register_in_every_namespace
 from modelpar._mesh import SizeArg
 from modelpar._precision import check_precision
 
@@ -56,6 +56,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     treats it as a model-parallel strategy (Fabric refuses unsupported precisions that way, before it would
     silently turn ``"16-mixed"`` into ``"bf16-mixed"`` on CPU). None of Lightning's logic is used: every
     hook is overridden here and forwards to the shared core, and Lightning's ``__init__`` is not called.
+    It serves ``lightning.fabric.Fabric`` (``import lightning as L``) and ``lightning_fabric.Fabric`` alike
+    (see ``modelpar._lightning``).
 
     Usage with Fabric::
 
@@ -66,7 +68,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             fully_shard(model, mesh=mesh["data_parallel"])
             return model
 
-        fabric = Fabric(strategy=ModelParallelStrategy(parallelize, data_parallel_size=2), devices=4)
+        fabric = L.Fabric(strategy=ModelParallelStrategy(parallelize, data_parallel_size=2), devices=4)
 
     Standalone under ``torchrun`` (no Fabric)::
 
@@ -90,7 +92,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             32-bit precision).
     """
 
-    _launcher_cls = _SubprocessScriptLauncher
+    _framework = "fabric"
 
     def __init__(
         self,
@@ -179,6 +181,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             self._num_nodes = self._num_nodes or 1
             return
         detected = detect_cluster()
+        # Devices the user passed say how many processes run per node; otherwise detection must know it.
+        self._core.per_node_known = bool(self.parallel_devices) or detected.per_node_known
         self.cluster_environment = self.cluster_environment or detected.environment
         self.accelerator = self.accelerator or detected.accelerator
         self.parallel_devices = self.parallel_devices or detected.devices
@@ -286,3 +290,6 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         return checkpointer.load(
             path, state, strict=strict, weights_only=weights_only, known_modules=list(self._set_up_modules)
         )
+
+
+register_in_every_namespace(ModelParallelStrategy, "fabric", "strategies.ModelParallelStrategy")

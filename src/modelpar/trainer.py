@@ -17,21 +17,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-try:
-    import pytorch_lightning as pl
-except ImportError as err:  # pragma: no cover - exercised only without the extra
+from modelpar._lightning import classes, installed, load, register_in_every_namespace
+
+if not installed("pytorch"):  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "`modelpar.trainer` needs PyTorch Lightning, which is an optional extra. Install it with"
-        " `pip install 'modelpar[trainer]'` (or use the Fabric strategy, `modelpar.ModelParallelStrategy`)."
-    ) from err
+        "`modelpar.trainer` needs the Lightning Trainer, which is an optional extra. Install it with"
+        " `pip install 'modelpar[trainer]'` or `pip install lightning` (or use the Fabric strategy,"
+        " `modelpar.ModelParallelStrategy`)."
+    )
 
 import torch
-from pytorch_lightning.core.optimizer import LightningOptimizer
-from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
-from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
-from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.model_helpers import is_overridden
+from lightning_utilities.core.overrides import is_overridden
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,19 +39,27 @@ from modelpar._mesh import SizeArg
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 
 if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+    from pytorch_lightning.strategies import ParallelStrategy
     from torch.distributed.device_mesh import DeviceMesh
+else:  # the primary installed namespace: pytorch_lightning, or lightning.pytorch without it
+    _LightningModelParallelStrategy = load("pytorch", "strategies.ModelParallelStrategy")
+    ParallelStrategy = load("pytorch", "strategies.ParallelStrategy")
 
 __all__ = ["ModelParallelStrategy"]
 
 
 class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
-    """FSDP2 + tensor parallelism for ``pytorch_lightning.Trainer(strategy=...)``.
+    """FSDP2 + tensor parallelism for ``lightning.pytorch.Trainer(strategy=...)`` and ``pytorch_lightning.Trainer``.
 
     Either the LightningModule parallelizes itself in ``configure_model()`` with ``self.device_mesh``, or pass
     ``parallelize_fn(lightning_module, device_mesh) -> lightning_module`` and the strategy applies it after
     ``configure_model``. Subclasses Lightning's ``ModelParallelStrategy`` only so that the Trainer's
     ``isinstance`` checks (precision validation, "is distributed") treat it as one; Lightning's ``__init__``
-    is not called and every hook with behaviour is overridden.
+    is not called and every hook with behaviour is overridden. One class serves both Lightning namespaces
+    (``import lightning as L`` and ``import pytorch_lightning as pl``; see ``modelpar._lightning``): the
+    LightningModule, optimizers and plugins it is given may come from either.
 
     Args:
         data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout:
@@ -64,7 +68,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         async_save: checkpoints return once staged in CPU memory and are written in the background.
     """
 
-    _launcher_cls = _SubprocessScriptLauncher
+    _framework = "pytorch"
 
     def __init__(
         self,
@@ -119,7 +123,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None  # set by the Trainer
         self.accelerator.setup(trainer)
-        if self._core.parallelize_fn is None and not is_overridden("configure_model", self.lightning_module):
+        if self._core.parallelize_fn is None and not _overrides_configure_model(self.lightning_module):
             raise TypeError(
                 f"`{type(self).__name__}` has nothing to parallelize the model with. Either override"
                 " `configure_model()` in your LightningModule and apply `fully_shard` / tensor parallelism there"
@@ -135,7 +139,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         self.model_to_device()
         self._install_mesh_aware_clipping()
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == "fit":  # TrainerFn.FITTING of either namespace (a str enum)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -175,6 +179,14 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def teardown(self) -> None:
         self._teardown_all(self.precision_plugin)
 
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's step, without its check that ``model`` is a LightningModule of one namespace only."""
+        model = model or self.lightning_module
+        return self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[arg-type]
+
     # -- collectives ---------------------------------------------------------------------------------
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
@@ -207,8 +219,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Sharded optimizer state, or the full one keyed by position (as DDP writes it) on rank 0."""
         assert self.model is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        if isinstance(optimizer, classes("pytorch", "core.optimizer.LightningOptimizer")):
+            optimizer = optimizer._optimizer  # type: ignore[attr-defined]
         full = not self._core.save_distributed_checkpoint
         options = StateDictOptions(full_state_dict=full, cpu_offload=True)
         state = get_optimizer_state_dict(self.model, optimizer, options=options)
@@ -260,3 +272,12 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def _overrides_configure_model(module: Any) -> bool:
+    """Lightning's ``is_overridden`` against the LightningModule class of the module's own namespace."""
+    parent = next((c for c in classes("pytorch", "LightningModule") if isinstance(module, c)), None)
+    return parent is not None and is_overridden("configure_model", module, parent=parent)
+
+
+register_in_every_namespace(ModelParallelStrategy, "pytorch", "strategies.ModelParallelStrategy")

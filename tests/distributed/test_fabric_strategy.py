@@ -1,13 +1,14 @@
 """The Fabric strategy on real gloo process groups, checked against a single-process reference.
 
-Two spawns: 2 processes (meshes 2x1 and 1x2) and 4 processes laid out as two simulated nodes of two
-(meshes "auto" -> 2x2, 4x1, 1x4). Each spawn runs a grid of cases; each case raises on a mismatch, so
-the harness reports the failing rank's traceback.
+Two spawns per Lightning namespace (``lightning_fabric`` and ``lightning.fabric``): 2 processes (meshes 2x1
+and 1x2) and 4 processes laid out as two simulated nodes of two (meshes "auto" -> 2x2, 4x1, 1x4). Each spawn
+runs a grid of cases; each case raises on a mismatch, so the harness reports the failing rank's traceback.
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from harness import run_distributed
 from modelpar.models import Llama
 from parity import (
     CFG,
+    FABRIC_NAMESPACES,
     assert_matches,
     global_batches,
     lm_loss,
@@ -26,6 +28,7 @@ from parity import (
     make_fabric,
     reference_model,
     setup_pair,
+    use_fabric_namespace,
 )
 
 STEPS = 3
@@ -159,8 +162,10 @@ def _returns_none(model: nn.Module, mesh: Any) -> None:
 def case_setup_errors(world_size: int) -> dict[str, str]:
     messages: dict[str, str] = {}
     # 1. sizes that do not multiply to the world size: raised in setup_environment, before any collective.
-    with pytest.raises(ValueError, match=r"`data_parallel_size=3` x `tensor_parallel_size=2` = 6") as e1:
+    # ValueError (ours) and RuntimeError (what Lightning raises for it) both catch it.
+    with pytest.raises(RuntimeError, match=r"`data_parallel_size=3` x `tensor_parallel_size=2` = 6") as e1:
         make_fabric(3, 2, world_size=world_size, parallelize_fn=_shard_all)
+    assert isinstance(e1.value, ValueError)
     messages["sizes"] = str(e1.value)
     with pytest.raises(ValueError, match=r"`tensor_parallel_size=3` .* Choose tensor_parallel_size among") as e2:
         make_fabric("auto", 3, world_size=world_size, parallelize_fn=_shard_all)
@@ -238,11 +243,43 @@ def case_collectives(world_size: int, num_nodes: int = 1) -> dict[str, Any]:
     return {"mean": mean, "sum": total, "tp_sum": tp_sum, "bcast": obj["from"]}
 
 
+def case_checkpoint_round_trip_continues_like_reference(root: Path, dp: int, tp: int) -> list[str]:
+    """`fabric.save` / `fabric.load` in both formats restore model, optimizer and extras; training goes on
+    exactly like the reference (under each Lightning namespace, so checkpoints work the same in both)."""
+    done = []
+    for distributed in (True, False):
+        fabric = make_fabric(dp, tp, world_size=2, save_distributed_checkpoint=distributed)
+        model, optimizer, ref, ref_opt = setup_pair(fabric)
+        (x1, y1), (x2, y2) = global_batches(2)
+        fabric.backward(lm_loss(model(local_slice(fabric, x1)), local_slice(fabric, y1)))
+        optimizer.step()
+        optimizer.zero_grad()
+        path = root / f"{dp}x{tp}-{'distributed' if distributed else 'full'}"
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+        # a fresh pair with other weights and no optimizer state: loading must overwrite everything
+        fabric = make_fabric(tp, dp, world_size=2, save_distributed_checkpoint=distributed)  # another layout
+        model = fabric.setup_module(reference_model(seed=5))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        remainder = fabric.load(path, state)
+        assert state["step"] == 1 and remainder == {}, (state["step"], remainder)
+        for x, y in ((x1, y1), (x2, y2)):
+            lm_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        fabric.backward(lm_loss(model(local_slice(fabric, x2)), local_slice(fabric, y2)))
+        optimizer.step()
+        assert_matches(model, ref, "param")
+        done.append(f"{dp}x{tp}->{tp}x{dp} {'distributed' if distributed else 'full'}")
+    return done
+
+
 # ---------------------------------------------------------------------------------------------------
 # grids (one spawn each)
 # ---------------------------------------------------------------------------------------------------
-def grid_two_processes() -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def grid_two_processes(namespace: str, root: Path) -> dict[str, Any]:
+    use_fabric_namespace(namespace)
+    out: dict[str, Any] = {"checkpoints": case_checkpoint_round_trip_continues_like_reference(root, 2, 1)}
     for dp, tp in ((2, 1), (1, 2)):
         out[f"train_{dp}x{tp}"] = case_training_matches_reference(dp, tp, 2)
         out[f"clip_{dp}x{tp}"] = case_clipping_matches_reference(dp, tp, 2)
@@ -253,7 +290,8 @@ def grid_two_processes() -> dict[str, Any]:
     return out
 
 
-def grid_two_nodes_of_two() -> dict[str, Any]:
+def grid_two_nodes_of_two(namespace: str) -> dict[str, Any]:
+    use_fabric_namespace(namespace)
     out: dict[str, Any] = {}
     out["train_auto"] = case_training_matches_reference("auto", "auto", 4, num_nodes=2)
     for dp, tp in ((4, 1), (1, 4)):
@@ -270,14 +308,19 @@ def grid_two_nodes_of_two() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def two_process_results() -> list[dict[str, Any]]:
-    return run_distributed(grid_two_processes, 2)
+@pytest.fixture(scope="module", params=FABRIC_NAMESPACES)
+def namespace(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def two_node_results() -> list[dict[str, Any]]:
-    return run_distributed(grid_two_nodes_of_two, 4, nodes=2)
+def two_process_results(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(grid_two_processes, 2, namespace, tmp_path_factory.mktemp("fabric"))
+
+
+@pytest.fixture(scope="module")
+def two_node_results(namespace: str) -> list[dict[str, Any]]:
+    return run_distributed(grid_two_nodes_of_two, 4, namespace, nodes=2)
 
 
 @pytest.mark.parametrize("layout", ["2x1", "1x2"])
@@ -308,7 +351,9 @@ def test_training_on_four_processes_matches_single_process_reference(two_node_re
 @pytest.mark.parametrize(
     ("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])]
 )
-def test_gradient_clipping_by_norm_and_value_matches_reference(request, results, layouts):
+def test_gradient_clipping_by_norm_and_value_matches_reference(
+    request, namespace, results, layouts
+):  # namespace: run under both
     for r in request.getfixturevalue(results):
         for layout in layouts:
             clip = r[f"clip_{layout}"]
@@ -318,14 +363,18 @@ def test_gradient_clipping_by_norm_and_value_matches_reference(request, results,
 @pytest.mark.parametrize(
     ("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])]
 )
-def test_no_backward_sync_accumulates_like_reference_and_restores_sync(request, results, layouts):
+def test_no_backward_sync_accumulates_like_reference_and_restores_sync(
+    request, namespace, results, layouts
+):  # namespace: run under both
     assert all(r[f"sync_{layout}"] for r in request.getfixturevalue(results) for layout in layouts)
 
 
 @pytest.mark.parametrize(
     ("results", "layouts"), [("two_process_results", ["2x1", "1x2"]), ("two_node_results", ["2x2"])]
 )
-def test_meta_device_init_is_materialized_consistently_on_every_rank(request, results, layouts):
+def test_meta_device_init_is_materialized_consistently_on_every_rank(
+    request, namespace, results, layouts
+):  # namespace: run under both
     assert all(r[f"meta_{layout}"]["params"] > 0 for r in request.getfixturevalue(results) for layout in layouts)
 
 
@@ -350,3 +399,9 @@ def test_collectives_reduce_over_world_or_mesh_axis(two_process_results, two_nod
 def test_supported_precisions_train_like_reference_in_same_precision(two_node_results, precision):
     results = [r[f"precision_{precision}"] for r in two_node_results]
     assert len({r["loss"] for r in results}) == 1
+
+
+def test_checkpoints_round_trip_across_layouts_and_training_continues_like_reference(two_process_results):
+    assert all(r["checkpoints"] == ["2x1->1x2 distributed", "2x1->1x2 full"] for r in two_process_results), (
+        two_process_results[0]["checkpoints"]
+    )

@@ -1,9 +1,10 @@
 """The Trainer strategy on real gloo process groups, every training run checked against a reference.
 
-Spawn 1: 2 processes (meshes 2x1 and 1x2): fit / validate / test / predict, accumulation, clipping,
-`sync_dist`. Spawn 2: 4 processes as two nodes: 2x2 fit, checkpoints in both formats through
-ModelCheckpoint, resuming on another layout, and checkpoints written by Lightning's own strategy.
-Single-device Trainer runs in the test process check the interchange with non-sharded runs.
+Per Lightning namespace (``pytorch_lightning`` and ``lightning.pytorch``), spawn 1: 2 processes (meshes 2x1
+and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`. Spawn 2: 4 processes as two
+nodes: 2x2 fit, checkpoints in both formats through ModelCheckpoint, resuming on another layout, and
+checkpoints written by Lightning's own strategy. Single-device Trainer runs in the test process check the
+interchange with non-sharded runs.
 """
 
 from __future__ import annotations
@@ -12,27 +13,34 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from harness import PG_TIMEOUT, run_distributed
 from modelpar.trainer import ModelParallelStrategy
-from trainer_module import GLOBAL_BATCH, LlamaModule, loader, parallelize_lightning_module, quiet_trainer, reference_run
+from trainer_module import (
+    GLOBAL_BATCH,
+    TRAINER_NAMESPACES,
+    lightning,
+    loader,
+    parallelize_lightning_module,
+    quiet_trainer,
+    reference_run,
+    use_namespace,
+)
 
 
-def full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+def full_weights(module: Any) -> dict[str, torch.Tensor]:
     sd = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def assert_weights(module: pl.LightningModule, ref: torch.nn.Module, what: str, atol: float = 2e-5) -> None:
+def assert_weights(module: Any, ref: torch.nn.Module, what: str, atol: float = 2e-5) -> None:
     got = full_weights(module)
     torch.testing.assert_close(got, ref.state_dict(), atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
 
 
-def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> pl.Trainer:
+def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> Any:
     strategy_kwargs = {k: kwargs.pop(k) for k in ("save_distributed_checkpoint", "parallelize_fn") if k in kwargs}
     strategy = ModelParallelStrategy(dp, tp, timeout=PG_TIMEOUT, **strategy_kwargs)
     defaults: dict[str, Any] = {
@@ -42,7 +50,9 @@ def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> pl.T
         "strategy": strategy,
         "enable_checkpointing": False,
     }
-    return quiet_trainer(**{**defaults, **kwargs})
+    t = quiet_trainer(**{**defaults, **kwargs})
+    assert type(t).__module__.startswith(lightning().name)
+    return t
 
 
 def per_rank(dp: int) -> int:
@@ -55,7 +65,7 @@ def per_rank(dp: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 def case_fit_validate_test_predict(dp: int, tp: int, world: int, nodes: int = 1) -> dict[str, Any]:
     t = trainer(dp, tp, world, nodes, max_steps=4, gradient_clip_val=0.05)
-    module = LlamaModule()
+    module = lightning().LlamaModule()
     t.fit(module, loader(per_rank(dp)))
     assert_weights(module, reference_run(4, clip_norm=0.05)[0], f"fit {dp}x{tp} (clip by norm)")
     out: dict[str, Any] = {"mesh": tuple(t.strategy.device_mesh.shape)}
@@ -91,30 +101,16 @@ def case_accumulation_skips_reduction(dp: int, tp: int, world: int) -> list[bool
         gradient_clip_algorithm="value",
         parallelize_fn=parallelize_lightning_module,
     )
-    module = LlamaModule(build_in_init=True)
+    module = lightning().LlamaModule(build_in_init=True)
     module.configure_model = lambda: None  # type: ignore[method-assign]  # the strategy's parallelize_fn does it
     t.fit(module, loader(per_rank(dp), micro_batches=2))
     assert_weights(module, reference_run(2, accumulate=2, clip_value=0.02)[0], f"accumulate {dp}x{tp}")
     return module.grad_none_after_backward
 
 
-class CountingCallback(Callback):
-    """Callback state that must survive a resume."""
-
-    def __init__(self) -> None:
-        self.batches = 0
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.batches += 1
-
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self.batches}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.batches = state["batches"]
-
-
 def case_checkpoints_and_resume(root: Path, distributed: bool) -> dict[str, Any]:
+    L = lightning()
+    ModelCheckpoint, CountingCallback, LlamaModule = L.ModelCheckpoint, L.CountingCallback, L.LlamaModule
     tag = "dist" if distributed else "full"
     ckpt_dir = root / f"trainer-{tag}"
     every_epoch = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1, save_last=True)
@@ -155,10 +151,10 @@ def case_checkpoints_and_resume(root: Path, distributed: bool) -> dict[str, Any]
 
 
 def case_lightning_checkpoints_load_into_ours(root: Path, distributed: bool) -> bool:
-    from pytorch_lightning.strategies import ModelParallelStrategy as LightningStrategy
-
+    L = lightning()
+    LightningStrategy, ModelCheckpoint, LlamaModule = L.LightningModelParallelStrategy, L.ModelCheckpoint, L.LlamaModule
     tag = "dist" if distributed else "full"
-    lightning = quiet_trainer(
+    theirs = quiet_trainer(
         accelerator="cpu",
         devices=2,
         num_nodes=2,
@@ -166,7 +162,7 @@ def case_lightning_checkpoints_load_into_ours(root: Path, distributed: bool) -> 
         strategy=LightningStrategy(2, 2, save_distributed_checkpoint=distributed, timeout=PG_TIMEOUT),
         callbacks=[ModelCheckpoint(dirpath=root / f"lightning-{tag}", save_top_k=-1)],
     )
-    lightning.fit(LlamaModule(), loader(GLOBAL_BATCH // 2))
+    theirs.fit(LlamaModule(), loader(GLOBAL_BATCH // 2))
     t = trainer(2, 2, 4, 2, max_epochs=3, save_distributed_checkpoint=distributed)
     module = LlamaModule()
     t.fit(module, loader(per_rank(2)), ckpt_path=root / f"lightning-{tag}" / "epoch=0-step=1.ckpt")
@@ -176,6 +172,7 @@ def case_lightning_checkpoints_load_into_ours(root: Path, distributed: bool) -> 
 
 def case_single_device_interchange(root: Path) -> bool:
     """A single-device checkpoint resumes here (2x2), and ours is written for single-device runs to resume."""
+    ModelCheckpoint, LlamaModule = lightning().ModelCheckpoint, lightning().LlamaModule
     t = trainer(
         2,
         2,
@@ -192,26 +189,13 @@ def case_single_device_interchange(root: Path) -> bool:
     return True
 
 
-class PlainModule(pl.LightningModule):
-    """No configure_model: the strategy has nothing to parallelize it with unless given parallelize_fn."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.layer(batch[0]).sum()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _returns_another_module(module: Any, mesh: Any) -> Any:
     return torch.nn.Linear(4, 4)
 
 
 def case_setup_errors() -> dict[str, str]:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+    PlainModule = lightning().PlainModule
     messages = {}
     with pytest.raises(TypeError, match=r"has nothing to parallelize the model with\. Either override") as e1:
         trainer(2, 1, 2, max_steps=1).fit(PlainModule(), data)
@@ -225,19 +209,12 @@ def case_setup_errors() -> dict[str, str]:
 _DTYPES = {"bf16-mixed": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
-class SGDModule(LlamaModule):
-    """SGD: AdamW in pure bf16/fp16 turns rounding differences near zero gradients into large updates."""
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def case_precision(precision: str) -> dict[str, Any]:
     """One step in ``precision`` on 1x2 against the same step on one process in the same precision."""
     from parity import global_batches, lm_loss, reference_model
 
     t = trainer(1, 2, 2, max_steps=1, precision=precision)
-    module = SGDModule()
+    module = lightning().SGDModule()
     t.fit(module, loader(GLOBAL_BATCH))
     dtype = _DTYPES[precision]
     # The Trainer builds the model under the precision's default dtype, and initializing in bf16 draws other
@@ -259,7 +236,8 @@ def case_precision(precision: str) -> dict[str, Any]:
     return {"loss": float(t.callback_metrics["train_loss"]), "ref_loss": loss.item()}
 
 
-def grid_two(dummy: int) -> dict[str, Any]:
+def grid_two(namespace: str) -> dict[str, Any]:
+    use_namespace(namespace)
     out: dict[str, Any] = {"errors": case_setup_errors()}
     for precision in _DTYPES:
         out[f"precision_{precision}"] = case_precision(precision)
@@ -269,7 +247,8 @@ def grid_two(dummy: int) -> dict[str, Any]:
     return out
 
 
-def grid_four(root: Path) -> dict[str, Any]:
+def grid_four(root: Path, namespace: str) -> dict[str, Any]:
+    use_namespace(namespace)
     out: dict[str, Any] = {"fit_2x2": case_fit_validate_test_predict(2, 2, 4, nodes=2)}
     for distributed in (True, False):
         out[f"ckpt_{distributed}"] = case_checkpoints_and_resume(root, distributed)
@@ -281,7 +260,7 @@ def grid_four(root: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------------------------------
-def _single_device_trainer(**kwargs: Any) -> pl.Trainer:
+def _single_device_trainer(**kwargs: Any) -> Any:
     return quiet_trainer(
         accelerator="cpu",
         devices=1,
@@ -289,17 +268,25 @@ def _single_device_trainer(**kwargs: Any) -> pl.Trainer:
     )
 
 
-@pytest.fixture(scope="module")
-def two() -> list[dict[str, Any]]:
-    return run_distributed(grid_two, 2, 0)
+@pytest.fixture(scope="module", params=TRAINER_NAMESPACES)
+def namespace(request: pytest.FixtureRequest) -> Any:
+    use_namespace(request.param)  # for the single-device runs in this process
+    yield request.param
+    use_namespace(TRAINER_NAMESPACES[0])
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+def two(namespace: str) -> list[dict[str, Any]]:
+    return run_distributed(grid_two, 2, namespace)
+
+
+@pytest.fixture(scope="module")
+def four(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("trainer")
-    single = _single_device_trainer(max_epochs=1, callbacks=[ModelCheckpoint(dirpath=root / "single-device")])
-    single.fit(LlamaModule(), loader(GLOBAL_BATCH))
-    return root, run_distributed(grid_four, 4, root, nodes=2)
+    checkpoint = lightning().ModelCheckpoint(dirpath=root / "single-device")
+    single = _single_device_trainer(max_epochs=1, callbacks=[checkpoint])
+    single.fit(lightning().LlamaModule(), loader(GLOBAL_BATCH))
+    return root, run_distributed(grid_four, 4, root, namespace, nodes=2)
 
 
 @pytest.mark.parametrize("layout", ["2x1", "1x2"])
@@ -341,7 +328,7 @@ def test_checkpoints_from_lightnings_model_parallel_strategy_resume_here(four, d
 def test_single_device_checkpoints_resume_here_and_ours_resume_on_a_single_device(four):
     root, results = four
     assert all(r["single_device"] for r in results)
-    module = LlamaModule()
+    module = lightning().LlamaModule()
     t = _single_device_trainer(max_epochs=3)
     t.fit(module, loader(GLOBAL_BATCH), ckpt_path=root / "from-modelpar-full" / "epoch=1-step=2.ckpt")
     torch.testing.assert_close(module.model.state_dict(), reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
