@@ -5,6 +5,11 @@ block, then the root) on the ``data_parallel`` axis.
 Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each block costs one
 all-reduce forward and one backward. The shapes are checked against the TP size before anything is
 sharded, so a bad combination fails with the numbers instead of a shape error deep in a forward pass.
+
+The output projection gathers the logits and hands them out as a plain tensor. ``DTensor.to_local()``
+returns that tensor as a view, and a view returned by an FSDP2 module makes torch warn that an in-place op
+on it would skip the module's backward all-gather; the plan returns the logits as a fresh tensor over the
+same storage instead (no copy, same values), so in-place ops on them are safe and nothing warns.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -48,6 +54,23 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
+class _NotAView(torch.autograd.Function):
+    """Identity whose output shares the input's storage but is not a view of it: no copy, no view."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()  # a new tensor over the same storage and version counter, without ``_base``
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _output_not_a_view(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    result: torch.Tensor = _NotAView.apply(output)
+    return result
+
+
 def _check_divisible(model: nn.Module, tp: int) -> None:
     cfg: Any = getattr(model, "config", None)
     if cfg is None:
@@ -81,6 +104,8 @@ def parallelize_llama(
             "output": ColwiseParallel(output_layouts=Replicate()),
         }
         parallelize_module(model, tp_mesh, top_plan)
+        # Runs after the style's own hook, on the local logits that ``to_local()`` returned as a view.
+        model.get_submodule("output").register_forward_hook(_output_not_a_view)
         for block in model.layers:  # type: ignore[union-attr]
             parallelize_module(block, tp_mesh, llama_tp_plan())
     fsdp_kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": config.reshard_after_forward}
