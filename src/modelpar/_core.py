@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from modelpar._clip import clip_grad_norm, clip_grad_value
 from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
 from modelpar._grad_sync import GradientSyncControl
-from modelpar._materialize import materialize_module
+from modelpar._materialize import has_meta_tensors, materialize_module
 from modelpar._mesh import MeshLayout, SizeArg, check_size_arg
 from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
@@ -33,6 +34,11 @@ __all__ = ["ParallelCore", "ParallelizeFn"]
 
 TModel = TypeVar("TModel", bound=nn.Module)
 ParallelizeFn = Callable[[Any, "DeviceMesh"], Any]
+
+#: Attribute ``setup_module`` sets on a module it has set up: the mesh it was parallelized on, as plain data
+#: (so the module still copies and pickles). Like FSDP2's own state, it lives on the module, so any strategy
+#: in the process knows not to parallelize or initialize it again.
+_SET_UP_ON = "_modelpar_set_up_on"
 
 
 class ParallelCore:
@@ -71,6 +77,7 @@ class ParallelCore:
         #: False only when standalone detection could not tell the processes per node ("auto" is refused then).
         self.per_node_known = True
         self._device_mesh: DeviceMesh | None = None
+        self._mesh_world: Any = None  # the default process group the mesh was built in
         self.grad_sync = GradientSyncControl()
         self.checkpointer = Checkpointer(async_save=async_save)
 
@@ -108,8 +115,10 @@ class ParallelCore:
 
         The layout is resolved from values every rank knows before any communication, so a bad size
         raises the same ``ValueError`` on every rank instead of hanging some of them in a collective.
+        Called again (each Trainer ``fit`` / ``validate`` / ... runs it), it keeps the mesh it built in the
+        same process group: modules parallelized on it stay on the strategy's mesh, and no process groups leak.
         """
-        self.layout = MeshLayout.resolve(
+        layout = MeshLayout.resolve(
             self.data_parallel_size,
             self.tensor_parallel_size,
             world_size=cluster_environment.world_size(),
@@ -120,8 +129,15 @@ class ParallelCore:
         backend = self.process_group_backend or default_backend(root_device)
         self.process_group_backend = backend
         init_process_group(cluster_environment, backend, self.timeout, root_device)
-        self._device_mesh = self.layout.build(root_device.type)
-        return self._device_mesh
+        mesh, world = self._device_mesh, dist.group.WORLD
+        if (
+            mesh is None
+            or world is not self._mesh_world
+            or (layout, root_device.type) != (self.layout, mesh.device_type)
+        ):
+            mesh, self._mesh_world = layout.build(root_device.type), world
+        self.layout, self._device_mesh = layout, mesh
+        return mesh
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -158,8 +174,24 @@ class ParallelCore:
         return stack
 
     def setup_module(self, module: TModel, root_device: torch.device) -> TModel:
-        """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors on ``root_device``."""
+        """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors on ``root_device``.
+
+        Once per module: a module set up before (a second Trainer run, a new strategy on the same layout) is
+        neither parallelized again nor re-initialized; only submodules it gained on the meta device since are
+        materialized. It must be on a mesh of the same layout and ranks, as modules cannot be re-sharded in place.
+        """
         reject_fsdp1_modules(module, self.strategy_name)
+        mesh_key = _mesh_key(self.device_mesh)
+        set_up_on = getattr(module, _SET_UP_ON, None)
+        if set_up_on is not None:
+            if set_up_on != mesh_key:
+                raise ValueError(
+                    f"The module was set up on a {_describe(set_up_on)}, but this strategy's mesh is a"
+                    f" {_describe(mesh_key)}; a parallelized module cannot be re-sharded in place. Use the layout it"
+                    " was set up on, or save a checkpoint and load it into a new module on this layout."
+                )
+            _materialize_new_submodules(module, root_device)
+            return module
         if self.parallelize_fn is not None:
             fn_name = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
             result = self.parallelize_fn(module, self.device_mesh)
@@ -171,6 +203,7 @@ class ParallelCore:
             module = result  # type: ignore[assignment]
         materialize_module(module, root_device)
         self._warn_if_unsharded(module)
+        setattr(module, _SET_UP_ON, mesh_key)
         return module
 
     def _warn_if_unsharded(self, module: nn.Module) -> None:
@@ -195,3 +228,33 @@ class ParallelCore:
     @staticmethod
     def clip_gradients_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
         clip_grad_value(parameters, clip_val)
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """What a parallelized module needs of a mesh to run on it: device type, axes, shape and ranks."""
+    return (mesh.device_type, tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+
+
+def _describe(key: tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]) -> str:
+    device_type, axes, shape, ranks = key
+    return f"{'x'.join(map(str, shape))} {device_type} mesh {axes} over ranks {list(ranks)}"
+
+
+def _materialize_new_submodules(module: nn.Module, device: torch.device) -> None:
+    """Materialize the submodules of a set-up module that are wholly on the meta device; leave real tensors alone.
+
+    ``materialize_module`` on the whole module would re-allocate and re-initialize every tensor, trained ones
+    included. Submodules come parent first, so a materialized subtree's children are real when reached.
+    """
+    for submodule in module.modules():
+        tensors = [*submodule.parameters(), *submodule.buffers()]
+        if tensors and all(t.is_meta for t in tensors):
+            materialize_module(submodule, device)
+    if has_meta_tensors(module):
+        names = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        raise RuntimeError(
+            f"The module was set up before, and since then {len(names)} tensor(s) were put on the meta device beside"
+            f" real ones in the same submodule: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}."
+            " Materializing them would re-initialize the trained weights next to them. Add new layers as whole"
+            " submodules on the meta device (the strategy initializes those) or create them on the real device."
+        )

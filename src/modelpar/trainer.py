@@ -64,7 +64,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     Args:
         data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout:
             as for the Fabric strategy (:class:`modelpar.ModelParallelStrategy`).
-        parallelize_fn: optional ``(module, device_mesh) -> module`` applied to the LightningModule in place.
+        parallelize_fn: optional ``(module, device_mesh) -> module`` applied to the LightningModule in place, once:
+            later runs (``validate`` after ``fit``, a second ``fit``) use the module as it is.
         async_save: checkpoints return once staged in CPU memory and are written in the background.
     """
 
@@ -115,9 +116,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # device set-up only; not Lightning's process-group code
-        mesh = self._start_distributed()
+        mesh = self._start_distributed()  # built on the first run; later runs in the same process group reuse it
         assert self.lightning_module is not None  # the Trainer connects the module before this hook
-        self.lightning_module._device_mesh = mesh  # read by `LightningModule.device_mesh` in configure_model
+        # Read by `LightningModule.device_mesh` in configure_model; set on every run, whichever module is connected.
+        self.lightning_module._device_mesh = mesh
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -129,7 +131,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
                 " `configure_model()` in your LightningModule and apply `fully_shard` / tensor parallelism there"
                 " using `self.device_mesh`, or pass `parallelize_fn=` to the strategy."
             )
-        module = self._core.setup_module(self.model, self.root_device)
+        module = self._core.setup_module(self.model, self.root_device)  # on later runs: nothing new to shard or init
         if module is not self.model:
             raise TypeError(
                 "`parallelize_fn` must parallelize the LightningModule in place and return that same module"
@@ -140,7 +142,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         self._install_mesh_aware_clipping()
         self.barrier()
         if trainer.state.fn == "fit":  # TrainerFn.FITTING of either namespace (a str enum)
-            self.setup_optimizers(trainer)
+            self.setup_optimizers(trainer)  # Lightning's: drops a previous fit's optimizers and schedulers, makes new
         self.setup_precision_plugin()
 
     def _install_mesh_aware_clipping(self) -> None:

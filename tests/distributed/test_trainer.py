@@ -1,7 +1,8 @@
 """The Trainer strategy on real gloo process groups, every training run checked against a reference.
 
 Per Lightning namespace (``pytorch_lightning`` and ``lightning.pytorch``), spawn 1: 2 processes (meshes 2x1
-and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`. Spawn 2: 4 processes as two
+and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`, and one Trainer re-running
+fit / validate / test / predict / fit on one module. Spawn 2: 4 processes as two
 nodes: 2x2 fit, checkpoints in both formats through ModelCheckpoint, resuming on another layout, and
 checkpoints written by Lightning's own strategy. Single-device Trainer runs in the test process check the
 interchange with non-sharded runs.
@@ -19,7 +20,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from harness import PG_TIMEOUT, run_distributed
 from modelpar.trainer import ModelParallelStrategy
 from trainer_module import (
+    GAMMA,
     GLOBAL_BATCH,
+    LR,
     TRAINER_NAMESPACES,
     lightning,
     loader,
@@ -106,6 +109,88 @@ def case_accumulation_skips_reduction(dp: int, tp: int, world: int) -> list[bool
     t.fit(module, loader(per_rank(dp), micro_batches=2))
     assert_weights(module, reference_run(2, accumulate=2, clip_value=0.02)[0], f"accumulate {dp}x{tp}")
     return module.grad_none_after_backward
+
+
+def reference_fits(init: dict[str, torch.Tensor], *steps: int) -> torch.nn.Module:
+    """``reference_run`` from the weights ``init``, over several ``fit`` calls: each creates a new AdamW and StepLR."""
+    from parity import global_batches, lm_loss, reference_model
+
+    model = reference_model()
+    model.load_state_dict(init)
+    x, y = global_batches(1)[0]
+    for n in steps:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
+        for _ in range(n):
+            lm_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    return model
+
+
+def case_rerun_fit_validate_test_predict_fit(dp: int, tp: int, world: int, parallelize_fn: bool) -> dict[str, Any]:
+    """One module built on the meta device, one Trainer: fit, validate, test, predict, then fit on."""
+    from parity import global_batches, lm_loss, reference_model
+
+    how = "parallelize_fn" if parallelize_fn else "configure_model"
+    if parallelize_fn:
+        t = trainer(dp, tp, world, max_steps=2, parallelize_fn=parallelize_lightning_module)
+        with t.init_module(empty_init=True):
+            module = lightning().LlamaModule(build_in_init=True)
+        module.configure_model = lambda: None  # type: ignore[method-assign]  # the strategy's parallelize_fn does it
+    else:
+        t = trainer(dp, tp, world, max_steps=2)
+        module = lightning().LlamaModule()
+        with torch.device("meta"):
+            module.model = reference_model()  # configure_model parallelizes it; the strategy materializes it
+    assert module.model.output.weight.is_meta
+    init: dict[str, torch.Tensor] = {}
+
+    def keep_initial_weights() -> None:  # materialized ones: meta-device init draws differently from eager init
+        if not init:
+            init.update(full_weights(module))
+
+    module.on_fit_start = keep_initial_weights  # type: ignore[method-assign]
+    data = loader(per_rank(dp))
+    t.fit(module, data)
+    mesh, first_optimizer = t.strategy.device_mesh, t.optimizers[0]
+    ref = reference_fits(init, 2)
+    assert_weights(module, ref, f"first fit {dp}x{tp} ({how})")
+    with torch.device("meta"):
+        module.probe = torch.nn.Linear(2, 2)  # a new layer: the next set-up materializes it and nothing else
+    val = t.validate(module, data, verbose=False)[0]
+    assert not module.probe.weight.is_meta
+    assert_weights(module, ref, f"after validate {dp}x{tp} ({how})")  # not parallelized or initialized again
+    test = t.test(module, data, verbose=False)[0]
+    preds = t.predict(module, data)
+    x, y = global_batches(1)[0]
+    sampler = t.strategy.distributed_sampler_kwargs
+    with torch.no_grad():
+        want = lm_loss(ref(x), y).item()
+        want_pred = ref(x[sampler["rank"] :: sampler["num_replicas"]]).argmax(-1)
+    assert abs(val["val_loss"] - want) < 1e-4 and abs(test["test_loss"] - want) < 1e-4, (val, test, want)
+    assert torch.equal(preds[0], want_pred)
+    t.fit_loop.epoch_loop.max_steps = 4  # two more steps
+    t.fit(module, data)  # from the trained weights, with a new optimizer and scheduler
+    # A fresh AdamW's first steps are about lr * sign(grad): rounding noise in small gradients grows ~100x
+    # (two single-process runs that only split the batch differently differ by 1e-4 here). A re-initialized
+    # model, a lost step or a scheduler not re-created differs by 1e-2 or more.
+    assert_weights(module, reference_fits(init, 2, 2), f"second fit {dp}x{tp} ({how})", atol=3e-4)
+    optimizer = t.optimizers[0]
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    out = {
+        "mesh_reused": t.strategy.device_mesh is mesh and module.device_mesh is mesh,
+        "optimizer_recreated": optimizer is not first_optimizer and optimized == {id(p) for p in module.parameters()},
+        "global_step": t.global_step,
+    }
+    # Another Trainer on the same layout runs the module as it is; on another layout it refuses it.
+    strategy_kwargs = {"parallelize_fn": parallelize_lightning_module} if parallelize_fn else {}
+    trainer(dp, tp, world, **strategy_kwargs).validate(module, data, verbose=False)
+    assert_weights(module, reference_fits(init, 2, 2), f"new Trainer {dp}x{tp} ({how})", atol=3e-4)
+    with pytest.raises(ValueError, match=rf"set up on a {dp}x{tp} cpu mesh .* this strategy's mesh is a {tp}x{dp}"):
+        trainer(tp, dp, world, **strategy_kwargs).validate(module, data, verbose=False)
+    return out
 
 
 def case_checkpoints_and_resume(root: Path, distributed: bool) -> dict[str, Any]:
@@ -244,6 +329,10 @@ def grid_two(namespace: str) -> dict[str, Any]:
     for dp, tp in ((2, 1), (1, 2)):
         out[f"fit_{dp}x{tp}"] = case_fit_validate_test_predict(dp, tp, 2)
         out[f"accumulate_{dp}x{tp}"] = case_accumulation_skips_reduction(dp, tp, 2)
+        for parallelize_fn in (True, False):
+            out[f"rerun_{dp}x{tp}_{parallelize_fn}"] = case_rerun_fit_validate_test_predict_fit(
+                dp, tp, 2, parallelize_fn
+            )
     return out
 
 
@@ -332,6 +421,18 @@ def test_single_device_checkpoints_resume_here_and_ours_resume_on_a_single_devic
     t = _single_device_trainer(max_epochs=3)
     t.fit(module, loader(GLOBAL_BATCH), ckpt_path=root / "from-modelpar-full" / "epoch=1-step=2.ckpt")
     torch.testing.assert_close(module.model.state_dict(), reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("parallelize_fn", [True, False], ids=["parallelize_fn", "configure_model"])
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_one_trainer_reruns_fit_validate_test_predict_fit_on_one_module_like_the_reference(two, layout, parallelize_fn):
+    for r in two:
+        # weights after each run match the reference inside the case; here: one mesh, a fresh optimizer
+        assert r[f"rerun_{layout}_{parallelize_fn}"] == {
+            "mesh_reused": True,
+            "optimizer_recreated": True,
+            "global_step": 4,
+        }
 
 
 def test_missing_parallelization_and_a_replaced_module_raise_clear_errors_on_every_rank(two):
