@@ -35,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
         help="target format (default: a folder converts to a file, a file to a folder)",
     )
     convert.add_argument("--model-only", action="store_true", help="keep model weights only (--to file)")
-    convert.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating-point tensors (--to file)")
+    convert.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="cast the model weights (--to file); optimizer state and other entries keep their saved dtypes",
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     convert.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     convert.set_defaults(subparser=convert)

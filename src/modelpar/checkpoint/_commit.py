@@ -6,10 +6,16 @@ checkpoint aside (``.<name>.old-<token>``), rename the staging entry to the targ
 Renames within a folder are atomic, so a crash or kill at any point leaves either the previous checkpoint
 or the new one at the path, never a mix. The leftovers of an interrupted save are recognised by name: load
 reports them, and the next save to the same path removes them.
+
+A power loss is harsher than a kill: the file system may have persisted a rename but not the data renamed.
+So the commit is ordered for durability: ``fsync`` every file in the staging entry and every folder in it
+(DCP's shards, ``.metadata``, ``meta.pt``, or the one full file), rename, ``fsync`` the parent folder, and
+only then delete the previous checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -57,27 +63,56 @@ def remove_stale(path: Path, keep_token: str | None = None) -> None:
 
 
 def commit(path: Path, staged: Path, token: str) -> None:
-    """Replace whatever is at ``path`` (file or folder) with ``staged`` (rank 0 only)."""
+    """Replace whatever is at ``path`` (file or folder) with ``staged``, durably (rank 0 only).
+
+    Order: ``fsync`` everything in ``staged``, rename, ``fsync`` the parent folder, delete the old one. At no
+    point can a power loss leave the path without a complete checkpoint, the new one or the old one.
+    """
+    _sync_tree(staged)
     aside = _aside_path(path, token)
     had_previous = path.exists() or path.is_symlink()
     if had_previous:
         os.replace(path, aside)
     os.replace(staged, path)
+    _fsync(path.parent, folder=True)
     if had_previous:
         _remove(aside)
-    _fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames durable, where the platform allows opening a folder."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
+def _sync_tree(entry: Path) -> None:
+    """``fsync`` a staged file, or every file and folder in a staged folder (folders after their content)."""
+    if not entry.is_dir() or entry.is_symlink():
+        _fsync(entry, folder=False)
         return
+    for root, folders, files in os.walk(entry, topdown=False):
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                _fsync(Path(root, name), folder=False)
+        for name in folders:  # os.walk does not descend into links, and lists them here
+            if not os.path.islink(os.path.join(root, name)):
+                _fsync(Path(root, name), folder=True)
+    _fsync(entry, folder=True)
+
+
+# fsync refused because the file system or platform does not support it here: nothing more can be done.
+_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def _fsync(entry: Path, *, folder: bool) -> None:
+    """Flush ``entry`` to stable storage; a real I/O error is raised, so a save that is not durable fails."""
+    # Windows flushes only handles open for writing, and cannot open folders at all.
+    flags = os.O_RDWR if os.name == "nt" and not folder else os.O_RDONLY
+    try:
+        fd = os.open(entry, flags)
+    except OSError:
+        if folder:
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as err:
+        if err.errno not in _UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
 

@@ -1,0 +1,187 @@
+"""Commits survive a power loss: every staged file is fsynced before the rename, the folder after it, and the
+previous checkpoint is deleted only then.
+
+A power loss cannot be simulated in a test, so the order of the calls is checked instead: ``os.open``,
+``os.fsync``, ``os.replace`` / ``os.rename`` and the removals are wrapped to record what they touch, on real
+files under ``tmp_path``. No process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from modelpar.checkpoint import save_state
+from modelpar.checkpoint._commit import commit, new_token, staging_path
+
+# save_state without a process group: DCP warns each time, and here that is intended.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+Event = tuple[str, Any]  # ("fsync", path), ("replace", (src, dst)), ("remove", path)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
+    """Every fsync (by the path its descriptor was opened on), rename and removal, in order."""
+    events: list[Event] = []
+    opened: dict[int, Path | None] = {}
+    inside_rmtree = False
+    real_open, real_close, real_fsync = os.open, os.close, os.fsync
+    real_replace, real_rename = os.replace, os.rename
+    real_unlink, real_rmtree = os.unlink, shutil.rmtree
+
+    def absolute(path: Any, dir_fd: int | None) -> Path | None:
+        return Path(path).absolute() if dir_fd is None else None
+
+    def spy_open(path: Any, flags: int, *args: Any, dir_fd: int | None = None, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, dir_fd=dir_fd, **kwargs)
+        opened[fd] = absolute(path, dir_fd)
+        return fd
+
+    def spy_close(fd: int) -> None:
+        opened.pop(fd, None)
+        real_close(fd)
+
+    def spy_fsync(fd: Any) -> None:
+        number = fd if isinstance(fd, int) else fd.fileno()
+        real_fsync(fd)
+        # Where the platform tells, ask it: descriptors from built-in open() (DCP's own fsyncs) are not tracked,
+        # and their numbers may be ones os.open returned before.
+        link = f"/proc/self/fd/{number}"
+        events.append(("fsync", Path(os.readlink(link)) if os.path.islink(link) else opened.get(number)))
+
+    def spy_replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        real_replace(src, dst, **kwargs)
+        events.append(("replace", (Path(src).absolute(), Path(dst).absolute())))
+
+    def spy_rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        real_rename(src, dst, **kwargs)
+        events.append(("replace", (Path(src).absolute(), Path(dst).absolute())))
+
+    def spy_unlink(path: Any, *, dir_fd: int | None = None) -> None:
+        real_unlink(path, dir_fd=dir_fd)
+        if not inside_rmtree:
+            events.append(("remove", absolute(path, dir_fd)))
+
+    def spy_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal inside_rmtree
+        inside_rmtree = True
+        try:
+            real_rmtree(path, *args, **kwargs)
+        finally:
+            inside_rmtree = False
+        events.append(("remove", Path(path).absolute()))
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "close", spy_close)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    monkeypatch.setattr(os, "rename", spy_rename)
+    monkeypatch.setattr(os, "unlink", spy_unlink)
+    monkeypatch.setattr(os, "remove", spy_unlink)
+    monkeypatch.setattr(shutil, "rmtree", spy_rmtree)
+    return events
+
+
+def make_entry(path: Path, kind: str, version: str) -> list[Path]:
+    """A file checkpoint, or a folder laid out like DCP's plus meta.pt; returns the files relative to it."""
+    if kind == "file":
+        path.write_bytes(version.encode() * 1000)
+        return [Path()]
+    path.mkdir()
+    names = ["__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"]
+    for name in names:
+        (path / name).write_bytes(f"{version}:{name}".encode() * 100)
+    return [Path(name) for name in names]
+
+
+def assert_durable_order(events: list[Event], staged: Path, target: Path, files: list[Path], old: bool) -> None:
+    """fsync(each staged file) -> fsync(staged folder) -> renames -> fsync(parent) -> remove(old)."""
+    moved = [i for i, (op, arg) in enumerate(events) if op == "replace" and arg == (staged, target)]
+    assert len(moved) == 1, events
+    rename = moved[0]
+    synced_before = [arg for op, arg in events[:rename] if op == "fsync"]
+    for relative in files:
+        assert staged / relative in synced_before, (f"{relative} not fsynced before the rename", events)
+    if files != [Path()]:  # a folder: its entries (the file names) are made durable too
+        last_file = max(synced_before.index(staged / relative) for relative in files)
+        assert staged in synced_before[last_file + 1 :], ("staged folder fsynced after its files", events)
+
+    aside = [arg[1] for op, arg in events[:rename] if op == "replace" and arg[0] == target]
+    assert len(aside) == (1 if old else 0), events
+    parent_synced = [i for i, (op, arg) in enumerate(events) if op == "fsync" and arg == target.parent]
+    assert parent_synced and parent_synced[0] > rename, ("parent folder fsynced after the rename", events)
+    removals = [i for i, (op, _) in enumerate(events) if op == "remove"]
+    if old:
+        assert [events[i][1] for i in removals] == aside, events
+        assert removals[0] > parent_synced[0], ("the old checkpoint is deleted only after the fsync", events)
+        assert not aside[0].exists()
+    else:
+        assert removals == [], events
+
+
+@pytest.mark.parametrize("old", [None, "file", "folder"], ids=["no-previous", "previous-file", "previous-folder"])
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_commit_fsyncs_staged_files_then_renames_then_fsyncs_the_folder_then_deletes_the_old(
+    tmp_path, calls, kind, old
+):
+    target = tmp_path / "ckpt"
+    if old:
+        make_entry(target, old, "v1")
+    token = new_token()
+    staged = staging_path(target, token)
+    files = make_entry(staged, kind, "v2")
+    calls.clear()
+
+    commit(target, staged, token)
+
+    assert_durable_order(calls, staged.absolute(), target.absolute(), files, old=bool(old))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    for relative in files:
+        assert (target / relative).read_bytes().startswith(b"v2")
+
+
+def test_commit_raises_when_a_staged_file_cannot_be_made_durable_and_keeps_the_previous(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    target = tmp_path / "ckpt"
+    make_entry(target, "file", "v1")
+    token = new_token()
+    staged = staging_path(target, token)
+    make_entry(staged, "file", "v2")
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        commit(target, staged, token)
+    assert target.read_bytes().startswith(b"v1")
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "distributed"])
+@pytest.mark.parametrize("previous", [False, True], ids=["new", "over-previous"])
+def test_a_save_fsyncs_every_file_it_wrote_before_renaming_it_into_place(tmp_path, calls, full, previous):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    target = tmp_path / "ckpt"
+    if previous:
+        save_state(target, {"model": model, "step": 0}, full=full)
+    calls.clear()
+
+    save_state(target, {"model": model, "optimizer": optimizer, "step": 1}, full=full)
+
+    committed = [arg for op, arg in calls if op == "replace" and arg[1] == target.absolute()]
+    assert len(committed) == 1, calls
+    staged = committed[0][0]
+    files = [Path()] if full else sorted(p.relative_to(target) for p in target.rglob("*") if p.is_file())
+    if not full:
+        assert {".metadata", "meta.pt"} <= {p.name for p in files} and any(p.suffix == ".distcp" for p in files)
+    assert_durable_order(calls, staged, target.absolute(), files, old=previous)
