@@ -110,8 +110,8 @@ class CoreStrategyMixin:
         return broadcast_object(obj, src)
 
     def _teardown_all(self, precision: Any) -> None:
-        """Finish background saves, then release environment, precision and accelerator (no ``checkpoint_io``)."""
-        self._core.checkpointer.wait()
+        """Finish background saves and free their staging copies, then release environment, precision, accelerator."""
+        self._core.checkpointer.close()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         precision.teardown()

@@ -4,15 +4,16 @@ One instance per strategy (held by the shared core), so Fabric, the Trainer and 
 same guarantees:
 
 * a checkpoint appears at its path only when complete (see :mod:`modelpar.checkpoint._commit`);
-* with ``async_save=True``, ``save`` returns once the state is staged (copied to CPU memory) and the writing
-  goes on in a background thread over a dedicated gloo process group, so it never interleaves with the
-  training's own collectives; the next ``save``, any ``load`` and ``wait()`` (called by teardown) wait for it.
+* with ``async_save=True``, ``save`` returns once the state is staged (every tensor copied to CPU memory,
+  everything else deep-copied: see :class:`_Staging`) and the writing goes on in a background thread over a
+  dedicated gloo process group, so it never interleaves with the training's own collectives; the next
+  ``save``, any ``load`` and ``wait()`` wait for it, and ``close()`` also releases the staging memory.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -58,7 +59,7 @@ class Checkpointer:
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
-        self._staging: DefaultStager | None = None
+        self._staging: _Staging | None = None
         self._unsettled = False  # an async save happened since the last load: the same on every rank
 
     # -- saving ------------------------------------------------------------------------------------------
@@ -95,8 +96,8 @@ class Checkpointer:
 
         Distributed: ``tensors`` are this rank's sharded state dicts, written with DCP; ``metadata`` goes to
         ``meta.pt``. Full: rank 0 writes ``{**tensors, **metadata}`` to one file. Atomic either way, and
-        asynchronous when the checkpointer is. ``live_modules`` are the models the tensors may still share
-        memory with (cloned before a background full-format write).
+        asynchronous when the checkpointer is: then every tensor is copied before this returns, whatever it
+        shares memory with, so ``live_modules`` (the models the tensors may come from) need not be complete.
         """
         self.wait()
         self._unsettled = self.async_save
@@ -109,7 +110,7 @@ class Checkpointer:
             if _rank() == 0:
                 payload = {**tensors, **metadata}
                 if self.async_save:  # the training goes on while the file is written: write a snapshot
-                    payload = _snapshot(payload, live_modules)
+                    payload = _Staging().stage(payload)  # copies not kept: rank 0 would hold a whole model
                 self._run(lambda: _write_file(payload, staged, path, token))
             if not self.async_save:
                 _barrier()
@@ -123,7 +124,8 @@ class Checkpointer:
                 commit(path, staged, token)
             _barrier()
             return
-        # DCP stages (copies) the tensors before returning; only the writing continues in the background.
+        # DCP stages (copies) the tensors with our stager before returning; only the writing goes on in the
+        # background. ``meta.pt`` is written above, so it is a snapshot too.
         written: Any = dcp.async_save(
             tensors, checkpoint_id=staged, process_group=self._group(), async_stager=self._stager()
         )
@@ -156,18 +158,14 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelpar-ckpt")
         self._pending = self._executor.submit(job)
 
-    def _stager(self) -> DefaultStager:
-        """One stager for the whole run: it keeps its CPU copies and refills them on the next save.
+    def _stager(self) -> _Staging:
+        """One stager for the run (distributed format): it keeps its CPU copies and refills them on the next save.
 
-        Re-allocating the staging memory on every save costs page faults on the training's critical path;
-        reusing it leaves a plain memcpy (pinned memory on CUDA, so the copy from the GPU is fast).
+        Re-allocating (and, from a GPU, pinning) the staging memory on every save costs page faults on the
+        training's critical path; reusing it leaves a plain memcpy. :meth:`close` releases it.
         """
         if self._staging is None:
-            cuda = torch.cuda.is_available()
-            options = StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-            )
-            self._staging = DefaultStager(options)
+            self._staging = _Staging()
         return self._staging
 
     def _group(self) -> Any:
@@ -181,6 +179,21 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def close(self) -> None:
+        """At the end of a run: :meth:`wait`, then release the staging memory and the writer thread.
+
+        The checkpointer stays usable (a later save allocates anew), e.g. for a second ``trainer.fit``.
+        """
+        try:
+            self.wait()
+        finally:
+            staging, self._staging = self._staging, None
+            executor, self._executor = self._executor, None
+            if staging is not None:
+                staging.close()
+            if executor is not None:
+                executor.shutdown(wait=True)
 
     # -- loading -----------------------------------------------------------------------------------------
     def load(
@@ -235,25 +248,74 @@ class Checkpointer:
             _barrier()
 
 
-def _snapshot(payload: dict[str, Any], modules: Sequence[nn.Module]) -> dict[str, Any]:
-    """Deep-copy user metadata, and clone tensors that still share storage with a live module.
+class _Staging(AsyncStager):
+    """A snapshot of a state for a background write: what happens after ``save`` returns cannot reach it.
 
-    Gathered full tensors are fresh CPU copies already; a plain CPU parameter or buffer is not, and the
-    optimizer would change it under the background writer.
+    Every tensor (weights, optimizer moments and ``step`` counters, tensors in metadata; DTensors as DTensors
+    with a CPU shard) is copied to CPU memory, and everything else, containers included, is deep-copied.
+    ``dcp.async_save`` calls :meth:`stage` (the distributed format); the full format calls it directly. The
+    copies are kept and refilled by the next ``stage`` where the tensor at the same place in the state has the
+    same layout (type, shape, stride, dtype, device, placements), so a run allocates, and from a GPU pins,
+    them once; :meth:`close` releases them.
     """
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for m in modules for t in (*m.parameters(), *m.buffers())]
-    live = {t.untyped_storage().data_ptr() for t in tensors}
 
-    def own(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.clone() if value.untyped_storage().data_ptr() in live else value
-        if isinstance(value, dict):
-            return {k: own(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(own(v) for v in value)
-        return copy.deepcopy(value)
+    _synchronize_after_execute = False  # the copy is complete when ``stage`` returns
 
-    return {k: own(v) for k, v in payload.items()}
+    def __init__(self) -> None:
+        self._copies: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        copies: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
+        memo: dict[int, Any] = {}  # id(tensor) -> its copy, for ``copy.deepcopy`` to put in place
+        with torch.no_grad():
+            for where, tensor in _tensors(state_dict, ()):
+                if id(tensor) in memo:  # one tensor at two places: one copy, as in the original
+                    continue
+                layout = _layout(tensor)
+                kept = self._copies.get(where)
+                target = kept[1] if kept is not None and kept[0] == layout else _empty_cpu_like(tensor)
+                _local(target).copy_(_local(tensor))
+                copies[where] = (layout, target)
+                memo[id(tensor)] = target
+        self._copies = copies
+        # Tensors inside other objects than dicts, lists and tuples are cloned by ``deepcopy`` itself.
+        return copy.deepcopy(state_dict, memo)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies synchronously."""
+
+    def close(self) -> None:
+        self._copies = {}
+
+
+def _tensors(value: Any, where: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """The plain tensors and DTensors in nested dicts, lists and tuples, with their places."""
+    if type(value) in (torch.Tensor, DTensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, (*where, key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, (*where, index))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (the very tensor, under ``no_grad``), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a kept copy must match to be refilled with ``tensor``."""
+    local = _local(tensor)
+    spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else ()
+    return (type(tensor), local.shape, local.stride(), local.dtype, local.device, tensor.requires_grad, spec)
+
+
+def _empty_cpu_like(tensor: torch.Tensor) -> torch.Tensor:
+    """CPU memory for a copy of ``tensor``: pinned when the copy comes from a GPU, so that copy is fast."""
+    pin = _local(tensor).device.type == "cuda"
+    return torch.empty_like(tensor, device="cpu", pin_memory=pin).requires_grad_(tensor.requires_grad)
 
 
 def _write_file(payload: dict[str, Any], staged: Path, path: Path, token: str) -> None:
