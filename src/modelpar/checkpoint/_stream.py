@@ -1,34 +1,114 @@
 """Loading full (unsharded) state into sharded models and optimizers, one tensor at a time.
 
-With the full state memory-mapped, each rank reads a tensor, cuts out its own shard locally with
-``distribute_tensor(..., src_data_rank=None)`` (no communication: every rank has the file), copies it into
-place and drops it. The extra memory per rank stays near the largest tensor, not the model size, and no
-rank ever holds or broadcasts the whole model. Keys and shapes are checked first, identically on every
-rank, so a mismatch raises everywhere before anything is modified.
+With the full state memory-mapped, each rank works out from its target's placements which block of each
+tensor it owns, cuts that block out of the mapped tensor on the CPU (a view: nothing is read yet), and
+copies only that block to the target's device. No communication (every rank has the file), and nothing
+larger than a rank's own shard crosses to the device: ``distribute_tensor`` would first copy the whole
+tensor there on every rank (an fp32 128k x 16k embedding is 8.4 GB). The extra memory per rank stays near
+the largest tensor, not the model size, and no rank ever holds or broadcasts the whole model. Keys and
+shapes are checked first, identically on every rank, so a mismatch raises everywhere before anything is
+modified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.optim import Optimizer
 
+from modelpar._errors import CheckpointKeyError, CheckpointShapeError
 from modelpar.checkpoint._names import clean_name, named_parameters_clean
 from modelpar.checkpoint._rekey import optimizer_state_to_names
 
 __all__ = ["check_shapes", "load_full_model_state", "load_full_optimizer_state"]
 
 
+def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of piece ``index`` of ``torch.chunk`` over ``size`` elements, padded with empty pieces.
+
+    ``Shard`` and FSDP2 both cut this way: pieces of ``ceil(size / parts)``, the last ones short or empty.
+    """
+    step = -(-size // parts)
+    start = min(index * step, size)
+    return start, min(step, size - start)
+
+
+def _local_block(
+    shape: Sequence[int], coordinate: Sequence[int], mesh_sizes: Sequence[int], placements: Sequence[Placement]
+) -> list[tuple[int, int]] | None:
+    """(start, length) per tensor dim of the block a rank at ``coordinate`` owns; ``None``: a placement we don't cut.
+
+    ``Shard(dim)`` on a mesh axis cuts the block so far along ``dim`` like ``torch.chunk`` into the axis size,
+    axes left to right, as ``distribute_tensor`` does. ``_StridedShard(dim, split_factor)`` is what FSDP2
+    puts on its axis when it shards a tensor-parallel DTensor on the dim TP already shards (FSDP over TP):
+    there TP cut first and FSDP cut TP's piece, so it is applied after the ``Shard`` placements, on the
+    piece they leave. That is FSDP2's layout, and ``full_tensor()`` reads it so; ``distribute_tensor`` reads
+    the placement differently when the sizes do not divide (7 rows, tp=2, dp=3: dp rank 2 gets row 6 on
+    tp rank 0, where FSDP2 keeps it on tp rank 1). We accept it only as FSDP2 builds it: ``split_factor``
+    equal to the number of ``Shard`` pieces of that dim on the axes after it; anything else gets ``None``.
+    """
+    block = [(0, size) for size in shape]
+    strided: list[tuple[int, int, int]] = []  # (mesh axis, dim, split factor)
+    for axis, placement in enumerate(placements):
+        # torch keeps _StridedShard private (not a Shard subclass in recent releases): recognise it by its
+        # public attributes instead of importing it. Checked before Shard, which it subclasses in older torch.
+        split_factor = getattr(placement, "split_factor", None)
+        dim = getattr(placement, "dim", None)
+        if split_factor is not None and isinstance(dim, int):
+            strided.append((axis, dim % len(shape), int(split_factor)))
+        elif isinstance(placement, Shard):
+            dim = placement.dim % len(shape)
+            start, length = block[dim]
+            offset, length = _chunk(length, mesh_sizes[axis], coordinate[axis])
+            block[dim] = (start + offset, length)
+        elif not isinstance(placement, Replicate):
+            return None
+    for axis, dim, split_factor in strided:
+        same_dim = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim % len(shape) == dim]
+        tp_pieces = math.prod(mesh_sizes[a] for a in same_dim if a != axis)
+        if len(strided) > 1 or any(a < axis for a in same_dim) or split_factor != tp_pieces:
+            return None
+        start, length = block[dim]
+        offset, length = _chunk(length, mesh_sizes[axis], coordinate[axis])
+        block[dim] = (start + offset, length)
+    return block
+
+
 def _local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full``, laid out like ``like`` (a DTensor) or whole (a plain tensor)."""
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
-    return full
+    """This rank's part of ``full``, laid out like ``like`` (a DTensor) or whole (a plain tensor).
+
+    For a DTensor the part is a view of ``full`` (on its device: the CPU for a memory-mapped file), so only
+    what the caller copies out of it is read and moved. Placements :func:`_local_block` does not cut fall
+    back to ``distribute_tensor``, which moves the whole tensor to the mesh's device first.
+    """
+    if not isinstance(like, DTensor):
+        return full
+    mesh = like.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh: it holds nothing
+        return full.new_empty(like.to_local().shape)
+    sizes = [mesh.size(axis) for axis in range(mesh.ndim)]
+    block = _local_block(full.shape, coordinate, sizes, like.placements)
+    if block is None:
+        local = distribute_tensor(full, mesh, like.placements, src_data_rank=None).to_local()
+    else:
+        local = full
+        for dim, (start, length) in enumerate(block):
+            local = local.narrow(dim, start, length)
+    expected = like.to_local().shape
+    if local.shape != expected:  # copy_ would broadcast a wrong block silently; never expected to happen
+        raise NotImplementedError(
+            f"Cannot cut a shard of shape {tuple(expected)} with placements {like.placements} out of a full tensor"
+            f" of shape {tuple(full.shape)}: the cut gives {tuple(local.shape)}. Load a distributed checkpoint"
+            " instead (`modelpar convert <file> <folder>`), and report the layout to modelpar."
+        )
+    return local
 
 
 def _owned_shard(value: Any, param: torch.Tensor) -> Any:
@@ -36,7 +116,8 @@ def _owned_shard(value: Any, param: torch.Tensor) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if isinstance(param, DTensor) and value.shape == param.shape:
-        local = _local_slice(value, param).to(param.device).clone()
+        source = _local_slice(value, param)
+        local = torch.empty(source.shape, dtype=value.dtype, device=param.device).copy_(source)
         return DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
@@ -44,11 +125,11 @@ def _owned_shard(value: Any, param: torch.Tensor) -> Any:
 
 
 def check_shapes(expected: Mapping[str, Any], saved_shapes: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` naming the first entry whose saved shape differs from the model's (global) shape."""
+    """Raise :class:`CheckpointShapeError` naming the first entry whose saved shape differs from the model's."""
     for name, tensor in expected.items():
         saved = saved_shapes.get(name)
         if saved is not None and tuple(saved) != tuple(tensor.shape):
-            raise ValueError(
+            raise CheckpointShapeError(
                 f"Shape mismatch for {name!r} in {where}: the checkpoint has {tuple(saved)}, the model expects"
                 f" {tuple(tensor.shape)}. Load it into a model built with the same configuration."
             )
@@ -61,7 +142,7 @@ def load_full_model_state(module: nn.Module, full_state: Mapping[str, Any], *, s
     missing = [k for k in targets if k not in full_state]
     unexpected = [k for k in full_state if k not in targets]
     if strict and (missing or unexpected):
-        raise KeyError(
+        raise CheckpointKeyError(
             f"The state in {where} does not match the model: {len(missing)} missing (e.g. {missing[:3]}),"
             f" {len(unexpected)} unexpected (e.g. {unexpected[:3]}). Pass `strict=False` to load the matching"
             " entries only."
@@ -87,7 +168,7 @@ def load_full_optimizer_state(
     params = named_parameters_clean(module)
     unknown = [k for k in full_osd.get("state", {}) if k not in params]
     if unknown and strict:
-        raise KeyError(
+        raise CheckpointKeyError(
             f"The optimizer state in {where} has entries for parameters the model does not have: {unknown[:3]}."
             " Pass `strict=False` to skip them."
         )
