@@ -9,6 +9,7 @@ The truth is a single-process model trained two AdamW steps. It is saved without
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,13 @@ def case_several_models_and_bad_files(root: Path) -> dict[str, Any]:
         fabric.load(root / "truncated.pt", {"model": gen})
     with pytest.raises(ValueError, match=r"unfinished' is incomplete: it has shard files but no '\.metadata'"):
         fabric.load(root / "unfinished", {"model": gen})
+    # one damaged shard file, read by some ranks only: every rank raises, naming a rank that failed
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "2x2", root / "bad-shard", dirs_exist_ok=True)
+        (root / "bad-shard" / "__1_0.distcp").write_bytes(b"")
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"bad-shard' failed on rank \d.*: it is truncated or corrupt"):
+        fabric.load(root / "bad-shard", {"model": gen})
     out["bad_files"] = True
     return out
 

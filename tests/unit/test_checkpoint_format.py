@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from modelpar.checkpoint import CheckpointFormat, detect_format
+from modelpar.checkpoint import CheckpointFormat, CheckpointKeyError, CheckpointNotFoundError, detect_format
 from modelpar.checkpoint._state import restore_metadata, split_state
 
 
@@ -17,7 +17,7 @@ def test_detects_full_and_distributed_formats(tmp_path):
 
 
 def test_missing_path_and_plain_folder_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"No checkpoint at '.*nope': the path does not exist"):
+    with pytest.raises(CheckpointNotFoundError, match=r"No checkpoint at '.*nope': the path does not exist"):
         detect_format(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"is not a distributed checkpoint: it has no '\.metadata' file"):
         detect_format(tmp_path)
@@ -45,7 +45,7 @@ def test_stateful_objects_are_restored_in_place_and_the_rest_returned():
 
 
 def test_strict_metadata_loading_names_the_missing_key():
-    with pytest.raises(KeyError, match=r"has no entry 'epoch' that the given state asks for"):
+    with pytest.raises(CheckpointKeyError, match=r"has no entry 'epoch' that the given state asks for"):
         restore_metadata({"epoch": 0}, {"epoch": 0}, {"step": 1}, True, "ckpt")
     assert restore_metadata({"epoch": 0}, {"epoch": 0}, {"step": 1}, False, "ckpt") == {"step": 1}
 

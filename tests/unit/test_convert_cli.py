@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from modelpar._cli import main
-from modelpar.checkpoint import load_state, save_state
+from modelpar.checkpoint import CheckpointNotFoundError, CorruptCheckpointError, load_state, save_state
 from modelpar.checkpoint._convert import convert_to_distributed, convert_to_file
 from modelpar.checkpoint._inspect import describe_checkpoint
 from modelpar.models import Llama, LlamaConfig
@@ -112,16 +112,63 @@ def test_model_only_keeps_every_model_and_drops_optimizer_and_metadata(tmp_path)
         )
 
 
-def test_dtype_casts_floating_point_tensors_but_keeps_optimizer_step_counters(source, tmp_path):
-    folder, model, _ = source
-    convert_to_file(folder, tmp_path / "bf16.pt", dtype=torch.bfloat16, progress=False)
-    full = torch.load(tmp_path / "bf16.pt", weights_only=True)
+@pytest.fixture(scope="module")
+def tiny_moments(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Llama, Llama, torch.optim.AdamW]:
+    """Two models and an Adam whose ``exp_avg_sq`` holds values float16 flushes to 0 (and bfloat16 rounds).
+
+    Under names that say nothing ("net", "shadow", "adam"): what is a model and what an optimizer is read
+    from the checkpoint's structure.
+    """
+    model, optimizer = trained()
+    shadow = Llama(CONFIG)
+    for state in optimizer.state.values():
+        state["exp_avg_sq"].view(-1)[::2] = 3e-9  # float16's smallest subnormal is 6e-8
+        state["exp_avg"].view(-1)[::3] = 1.2345678e-9
+    folder = tmp_path_factory.mktemp("tiny") / "ckpt"
+    save_state(folder, {"net": model, "shadow": shadow, "adam": optimizer, "step": 2}, full=False)
+    return folder, model, shadow, optimizer
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dtype_casts_the_model_weights_and_keeps_optimizer_state_bit_identical(tiny_moments, tmp_path, dtype):
+    folder, model, shadow, optimizer = tiny_moments
+    assert any(bool((s["exp_avg_sq"].to(torch.float16) == 0).any()) for s in optimizer.state.values())
+    convert_to_file(folder, tmp_path / "cast.pt", dtype=dtype, progress=False)
+    full = torch.load(tmp_path / "cast.pt", weights_only=True)
+    assert list(full) == ["net", "shadow", "adam", "step"] and full["step"] == 2
+    for key, module in (("net", model), ("shadow", shadow)):
+        for name, tensor in module.state_dict().items():
+            assert full[key][name].dtype == dtype and torch.equal(full[key][name], tensor.to(dtype)), (key, name)
+    assert_optimizer_state_equal(full["adam"], model, optimizer)  # same dtype, equal values, step counters too
+
+
+def test_cli_dtype_keeps_optimizer_state_and_the_converted_file_resumes_it_exactly(tiny_moments, tmp_path):
+    # In process: each interpreter start costs seconds.
+    folder, model, _, optimizer = tiny_moments
+    assert main(["convert", str(folder), str(tmp_path / "fp16.pt"), "--dtype", "fp16", "--no-progress"]) == 0
+    full = torch.load(tmp_path / "fp16.pt", weights_only=True)
+    assert full["net"]["output.weight"].dtype == torch.float16
+    assert_optimizer_state_equal(full["adam"], model, optimizer)
+    # and back to a folder: the optimizer state is still exact there
+    convert_to_distributed(tmp_path / "fp16.pt", tmp_path / "again", progress=False)
+    fresh, fresh_optimizer = trained(seed=1)
+    state = {"net": fresh, "shadow": Llama(CONFIG), "adam": fresh_optimizer, "step": 0}
+    load_state(tmp_path / "again", state)
+    assert_optimizer_state_equal(_keyed_by_name(fresh, fresh_optimizer), model, optimizer)
     for name, tensor in model.state_dict().items():
-        assert full["model"][name].dtype == torch.bfloat16
-        assert torch.equal(full["model"][name], tensor.to(torch.bfloat16)), name
-    state = next(iter(full["optimizer"]["state"].values()))
-    assert state["exp_avg"].dtype == torch.bfloat16 and state["step"].dtype == torch.float32
-    assert state["step"].item() == 2.0
+        assert torch.equal(fresh.state_dict()[name], tensor.to(torch.float16).float()), name
+
+
+def test_dtype_on_a_checkpoint_without_models_is_explained(tmp_path):
+    model, optimizer = trained()
+    save_state(tmp_path / "opt_only", {"optimizer": optimizer}, full=False, known_modules=[model])
+    with pytest.raises(
+        ValueError,
+        match=r"holds no model state dict for `dtype=torch\.float16` to cast \(optimizer state and other entries keep"
+        r" their dtypes\); it has: 'optimizer' \(optimizer\)\. Convert without `dtype`\.",
+    ):
+        convert_to_file(tmp_path / "opt_only", tmp_path / "w.pt", dtype=torch.float16)
+    assert not (tmp_path / "w.pt").exists()
 
 
 def test_describe_lists_format_keys_shapes_dtypes_sizes_and_metadata(source, tmp_path):
@@ -140,7 +187,7 @@ def test_describe_lists_format_keys_shapes_dtypes_sizes_and_metadata(source, tmp
 def test_errors_name_the_path_what_it_is_and_the_fix(source, tmp_path):
     folder, _, _ = source
     convert_to_file(folder, tmp_path / "full.pt", progress=False)
-    with pytest.raises(FileNotFoundError, match=r"No checkpoint at '.*nope': the path does not exist"):
+    with pytest.raises(CheckpointNotFoundError, match=r"No checkpoint at '.*nope': the path does not exist"):
         convert_to_file(tmp_path / "nope", tmp_path / "out.pt")
     with pytest.raises(
         ValueError,
@@ -178,7 +225,7 @@ def test_errors_name_the_path_what_it_is_and_the_fix(source, tmp_path):
         convert_to_distributed(tmp_path / "meta_only.pt", tmp_path / "out")
     (tmp_path / "text.pt").write_text("not a checkpoint")
     with pytest.raises(
-        ValueError,
+        CorruptCheckpointError,
         match=r"The checkpoint file '.*text\.pt' cannot be read: it is truncated, corrupt, or not a checkpoint",
     ):
         convert_to_distributed(tmp_path / "text.pt", tmp_path / "out")
@@ -214,7 +261,9 @@ def test_a_failed_conversion_leaves_no_destination_and_no_staging_entry(source, 
     for entry in folder.iterdir():
         data = entry.read_bytes()
         (broken / entry.name).write_bytes(data[: len(data) // 2] if entry.suffix == ".distcp" else data)
-    with pytest.raises(ValueError, match=r"from the checkpoint '.*broken' failed: it is truncated or corrupt"):
+    with pytest.raises(
+        CorruptCheckpointError, match=r"from the checkpoint '.*broken' failed: it is truncated or corrupt"
+    ):
         convert_to_file(broken, tmp_path / "out.pt", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
 

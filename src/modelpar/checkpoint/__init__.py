@@ -4,8 +4,16 @@ Saves are atomic (a checkpoint appears at its path only when complete) and optio
 full files load into sharded models tensor by tensor. The strategies hold a :class:`Checkpointer`;
 :func:`save_state` / :func:`load_state` serve standalone scripts; :func:`convert_to_file`,
 :func:`convert_to_distributed` and :func:`describe_checkpoint` work offline (also as ``python -m modelpar``).
+The errors of loading (:class:`CheckpointNotFoundError`, :class:`CheckpointKeyError` ...) are also here.
 """
 
+from modelpar._errors import (
+    CheckpointKeyError,
+    CheckpointNotFoundError,
+    CheckpointShapeError,
+    CorruptCheckpointError,
+    WeightsOnlyError,
+)
 from modelpar.checkpoint._api import load_state, save_state
 from modelpar.checkpoint._checkpointer import Checkpointer
 from modelpar.checkpoint._convert import convert_to_distributed, convert_to_file
@@ -17,14 +25,19 @@ from modelpar.checkpoint._rekey import optimizer_state_to_names, optimizer_state
 
 __all__ = [
     "CheckpointFormat",
+    "CheckpointKeyError",
+    "CheckpointNotFoundError",
+    "CheckpointShapeError",
     "Checkpointer",
     "clean_name",
     "convert_to_distributed",
     "convert_to_file",
+    "CorruptCheckpointError",
     "describe_checkpoint",
     "detect_format",
     "load_state",
     "optimizer_state_to_names",
     "optimizer_state_to_positions",
     "save_state",
+    "WeightsOnlyError",
 ]

@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import struct
-import warnings
 import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -36,7 +35,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from typing_extensions import override
 
+from modelpar._errors import CorruptCheckpointError
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint._dcp_read import CachedReader, read_local, single_process
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._inspect import (
     is_state_entry,
@@ -120,26 +121,6 @@ def _staged(dst: Path) -> Iterator[tuple[Path, str]]:
             staged.unlink(missing_ok=True)
 
 
-@contextmanager
-def _single_process() -> Iterator[None]:
-    # DCP warns on every call without a process group; here that is the point, not a mistake.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
-        yield
-
-
-class _CachedReader(dcp.FileSystemReader):
-    """Reads ``.metadata`` once: DCP re-reads it on every ``load``, and conversion loads once per tensor."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-
-    @override
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-
 def _items(metadata: Metadata) -> list[_Item]:
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     items = []
@@ -193,14 +174,12 @@ def _get(root: Any, path: Path_) -> Any:
     return root
 
 
-def _dcp_load(state: dict[str, Any], reader: _CachedReader, src: Path) -> None:
+def _dcp_load(state: dict[str, Any], reader: CachedReader, src: Path) -> None:
+    """Read ``state`` in place (one tensor per call: the reader keeps ``.metadata``, read once)."""
     try:
-        with _single_process():
-            dcp.load(
-                state, storage_reader=reader, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True
-            )
+        read_local(state, reader, partial=True)
     except (Exception, dcp.CheckpointException) as err:  # DCP wraps read errors in a BaseException subclass
-        raise ValueError(
+        raise CorruptCheckpointError(
             f"Reading {', '.join(state)[:200]} from the checkpoint {str(src)!r} failed: it is truncated or corrupt"
             f" ({type(err).__name__}: {err})."
         ) from err
@@ -281,11 +260,13 @@ def _write_at(file: io.BufferedRandom, tensor: torch.Tensor, offset: int) -> Non
 
 
 def _out_dtype(meta: TensorStorageMetadata, kind: Kind, dtype: torch.dtype | None) -> torch.dtype:
+    """Only model weights are cast. Optimizer state keeps its dtype: Adam's ``exp_avg_sq`` holds values far below
+    float16's smallest (6e-8), which would become 0 and make the first steps after resuming huge; and step
+    counters are integers that bfloat16 holds exactly only up to 256. Other tensors are not ours to change.
+    """
     saved = meta.properties.dtype
-    if dtype is None or not saved.is_floating_point:
+    if dtype is None or kind != "model" or not saved.is_floating_point:
         return saved
-    if kind == "optimizer" and len(meta.size) == 0:
-        return saved  # step counters: bfloat16 holds integers exactly only up to 256
     return dtype
 
 
@@ -302,8 +283,9 @@ def convert_to_file(
 
     The file holds ``{"model": full_state_dict, "optimizer": {"state": ..., "param_groups": ...}, ...}`` with
     ``meta.pt``'s entries at the top level, exactly what a full-format save writes. ``model_only`` keeps the
-    model state dicts only (no optimizer, no metadata), e.g. for inference. ``dtype`` casts floating-point
-    tensors (an optimizer's step counters keep theirs). Memory stays near twice the largest tensor.
+    model state dicts only (no optimizer, no metadata), e.g. for inference. ``dtype`` casts the floating-point
+    tensors of the model state dicts; optimizer state (Adam's moments would underflow in float16) and any other
+    entry keep their saved dtypes. Memory stays near twice the largest tensor.
     """
     src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.DISTRIBUTED, overwrite=overwrite)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -311,7 +293,7 @@ def convert_to_file(
             f"`dtype={dtype!r}` is not a floating-point torch dtype. Pass e.g. `torch.bfloat16`, or `None` to keep"
             " the saved dtypes."
         )
-    reader = _CachedReader(src_path, read_dcp_metadata(src_path))
+    reader = CachedReader(src_path, read_dcp_metadata(src_path))
     items = _items(reader.read_metadata())
     kinds = _kinds(items)
     if model_only:
@@ -322,6 +304,12 @@ def convert_to_file(
                 f"The checkpoint {str(src_path)!r} holds no model state dict to keep with `model_only=True`; it"
                 f" has: {found}. Convert without `model_only`."
             )
+    if dtype is not None and "model" not in kinds.values():
+        found = ", ".join(f"{top!r} ({kind})" for top, kind in kinds.items()) or "nothing"
+        raise ValueError(
+            f"The checkpoint {str(src_path)!r} holds no model state dict for `dtype={dtype}` to cast (optimizer state"
+            f" and other entries keep their dtypes); it has: {found}. Convert without `dtype`."
+        )
     metadata = {} if model_only else read_user_metadata(src_path)
     if clash := sorted(set(metadata) & {item.top for item in items}):
         raise ValueError(
@@ -364,9 +352,7 @@ def convert_to_file(
                 if offset is not None:
                     _write_at(file, tensor, offset)
                 bar.advance(tensor.numel() * tensor.element_size())
-            file.flush()
-            os.fsync(file.fileno())
-        commit(dst_path, staged, token)
+        commit(dst_path, staged, token)  # fsyncs the file before renaming it into place
     bar.finish(dst_path)
 
 
@@ -408,7 +394,7 @@ def convert_to_distributed(
     bar = Progress(progress, len(tensors), sum(t.numel() * t.element_size() for t in tensors))
     with _staged(dst_path) as (staged, token):
         staged.mkdir()
-        with _single_process():
+        with single_process():
             dcp.save(
                 state, storage_writer=dcp.FileSystemWriter(staged), planner=_CountingSavePlanner(bar), no_dist=True
             )

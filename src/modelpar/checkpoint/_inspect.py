@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from modelpar._errors import CorruptCheckpointError
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._io import detect, read_full_checkpoint
 
@@ -74,7 +75,7 @@ def read_dcp_metadata(folder: Path) -> Metadata:
     try:
         return dcp.FileSystemReader(folder).read_metadata()
     except Exception as err:  # a pickle of DCP classes: anything can go wrong with a damaged file
-        raise ValueError(
+        raise CorruptCheckpointError(
             f"The checkpoint {str(folder)!r} has an unreadable {DCP_METADATA!r} file ({type(err).__name__}: {err})."
         ) from err
 

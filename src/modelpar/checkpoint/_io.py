@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,7 +29,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from modelpar._errors import (
+    CheckpointKeyError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    WeightsOnlyError,
+)
 from modelpar.checkpoint._commit import describe_leftovers
+from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._state import FilterFns, SplitState, apply_filter, metadata_of, restore_metadata
 from modelpar.checkpoint._stream import check_shapes, load_full_model_state, load_full_optimizer_state
@@ -54,7 +61,7 @@ def detect(path: Path) -> CheckpointFormat:
             " a folder written by `save_checkpoint` (or torch.distributed.checkpoint), or to a single-file"
             f" checkpoint.{describe_leftovers(path)}"
         )
-    raise FileNotFoundError(f"No checkpoint at {str(path)!r}: the path does not exist.{describe_leftovers(path)}")
+    raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}: the path does not exist.{describe_leftovers(path)}")
 
 
 def gather_state(split: SplitState, *, full: bool, filters: FilterFns | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -92,7 +99,7 @@ def load(
 
 def _missing(path: Path, key: str, strict: bool, present: list[str]) -> None:
     if strict:
-        raise KeyError(
+        raise CheckpointKeyError(
             f"The checkpoint {str(path)!r} has no entry {key!r} (it has: {', '.join(map(repr, present)) or 'nothing'})."
             " Pass `strict=False` to skip it."
         )
@@ -108,13 +115,13 @@ def read_full_checkpoint(path: Path, weights_only: bool | None = True) -> dict[s
     except pickle.UnpicklingError as err:
         refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
         what = f"`{refused.group(1)}`" if refused else "a custom object"
-        raise ValueError(
+        raise WeightsOnlyError(
             f"The checkpoint file {str(path)!r} holds {what}, which loading with `weights_only=True` (torch's"
             " default) refuses to unpickle. Pass `weights_only=False` if you trust the file, or allow the class"
             " with `torch.serialization.add_safe_globals([...])`."
         ) from err
     except Exception as err:  # torch raises RuntimeError, EOFError ... for damaged files
-        raise ValueError(
+        raise CorruptCheckpointError(
             f"The checkpoint file {str(path)!r} cannot be read: it is truncated, corrupt, or not a checkpoint"
             f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})."
         ) from err
@@ -123,26 +130,71 @@ def read_full_checkpoint(path: Path, weights_only: bool | None = True) -> dict[s
     return loaded
 
 
-def _read_metadata(path: Path) -> Metadata:
+def _open(path: Path) -> CachedReader:
+    """A reader of the folder ``path`` with its ``.metadata`` read, once for the checks and the reading alike."""
+    reader = CachedReader(path)
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        reader.read_metadata()
     except Exception as err:
-        raise ValueError(f"The checkpoint {str(path)!r} has an unreadable {DCP_METADATA!r} file: {err}") from err
+        raise CorruptCheckpointError(
+            f"The checkpoint {str(path)!r} has an unreadable {DCP_METADATA!r} file: {err}"
+        ) from err
+    return reader
 
 
-def _dcp_load(state: dict[str, Any], path: Path, strict: bool) -> None:
+def _dcp_load(state: dict[str, Any], reader: CachedReader, path: Path, strict: bool) -> None:
+    """Fill ``state`` in place, each rank reading on its own; a failure on any rank raises on every rank.
+
+    One small all-gather of the outcome replaces the three collectives of each ``dcp.load`` call.
+    """
+    error: BaseException | None = None
+    what: str | None = None
     try:
-        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-    except Exception as err:  # DCP raises the same CheckpointException on every rank
-        raise ValueError(f"Reading the checkpoint {str(path)!r} failed: it is truncated or corrupt ({err}).") from err
+        read_local(state, reader, partial=not strict)
+    except BaseException as err:  # DCP wraps what goes wrong in a CheckpointException (a BaseException)
+        cause = root_cause(err)
+        if not isinstance(cause, Exception):  # KeyboardInterrupt and the like: not about the checkpoint
+            raise
+        detail = str(cause).splitlines()[0] if str(cause) else ""
+        error, what = err, f"{type(cause).__name__}: {detail}" if detail else type(cause).__name__
+    outcomes = [what]
+    if dist.is_initialized():
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, what)
+    failed = [(rank, w) for rank, w in enumerate(outcomes) if w is not None]
+    if failed:
+        rank, what = failed[0]
+        where = ""
+        if dist.is_initialized():
+            where = f" on rank {rank}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+        raise CorruptCheckpointError(
+            f"Reading the checkpoint {str(path)!r} failed{where}: it is truncated or corrupt ({what})."
+        ) from error
 
 
 def _load_distributed(
-    path: Path, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
+    path: Path,
+    split: SplitState,
+    state: dict[str, Any],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+    reader: CachedReader | None = None,
+    module_states: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    saved = _read_metadata(path).state_dict_metadata
+    """Restore ``split`` from the folder ``path`` with one rank-local DCP read for all models and optimizers.
+
+    Model keys and shapes are checked and ``meta.pt`` is read before any tensor, identically on every rank,
+    so these errors raise everywhere before a model or optimizer changes. ``reader`` and ``module_states``
+    (by key, from ``get_model_state_dict``) may come from the caller, which looked at them already.
+    """
+    reader = reader or _open(path)
+    saved = reader.read_metadata().state_dict_metadata
+    to_read: dict[str, Any] = {}
     for key, module in split.modules.items():
-        module_state = get_model_state_dict(module)
+        module_state = (module_states or {}).get(key)
+        if module_state is None:
+            module_state = get_model_state_dict(module)
         shapes = {
             k[len(key) + 1 :]: m.size
             for k, m in saved.items()
@@ -151,22 +203,26 @@ def _load_distributed(
         check_shapes(module_state, shapes, f"{str(path)!r} [{key!r}]")
         missing = [name for name in module_state if f"{key}.{name}" not in saved]
         if strict and missing:
-            raise KeyError(
+            raise CheckpointKeyError(
                 f"The checkpoint {str(path)!r} has no entry for {key!r} parameter {missing[0]!r}"
                 f" ({len(missing)} missing in all). Pass `strict=False` to load the rest."
             )
-        module_state = {k: v for k, v in module_state.items() if k not in missing}
-        _dcp_load({key: module_state}, path, strict)
-        set_model_state_dict(module, module_state, options=StateDictOptions(strict=False))
+        to_read[key] = {k: v for k, v in module_state.items() if k not in missing}
+    optimizers = {}
     for key, (optimizer, owner) in split.optimizers.items():
         if not any(k.startswith(f"{key}.") for k in saved):
             _missing(path, key, strict, sorted({k.split(".")[0] for k in saved}))
             continue
-        optim_state = get_optimizer_state_dict(owner, optimizer)
-        _dcp_load({key: optim_state}, path, strict)
-        set_optimizer_state_dict(owner, optimizer, optim_state)
+        to_read[key] = get_optimizer_state_dict(owner, optimizer)
+        optimizers[key] = (optimizer, owner)
     meta_path = path / USER_METADATA
     saved_meta: dict[str, Any] = read_full_checkpoint(meta_path, weights_only) if meta_path.is_file() else {}
+    if to_read:
+        _dcp_load(to_read, reader, path, strict)
+    for key, module in split.modules.items():
+        set_model_state_dict(module, to_read[key], options=StateDictOptions(strict=False))
+    for key, (optimizer, owner) in optimizers.items():
+        set_optimizer_state_dict(owner, optimizer, to_read[key])
     return restore_metadata(split.other, state, saved_meta, strict, str(path))
 
 
@@ -175,16 +231,21 @@ def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only
     if detect(path) is CheckpointFormat.FULL:
         load_full_model_state(module, read_full_checkpoint(path, weights_only), strict=strict, where=repr(str(path)))
         return
-    saved = _read_metadata(path).state_dict_metadata
-    names = list(get_model_state_dict(module))
+    reader = _open(path)
+    saved = reader.read_metadata().state_dict_metadata
+    module_state = get_model_state_dict(module)
+    names = list(module_state)
     prefixes = sorted({k.split(".")[0] for k in saved if names and k.endswith("." + names[0])})
     if len(prefixes) != 1:
         raise ValueError(
             f"Cannot tell which model in the distributed checkpoint {str(path)!r} to load: entries matching the"
             f" module's parameters sit under {prefixes or 'no key'}. Load with `state={{'<key>': model}}` instead."
         )
-    split = SplitState(modules={prefixes[0]: module})
-    _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)
+    key = prefixes[0]
+    split = SplitState(modules={key: module})
+    _load_distributed(
+        path, split, {}, strict=strict, weights_only=weights_only, reader=reader, module_states={key: module_state}
+    )
 
 
 def load_trainer_layout(
@@ -197,18 +258,19 @@ def load_trainer_layout(
     """
     if detect(path) is CheckpointFormat.DISTRIBUTED:
         # Lightning's ModelParallelStrategy keys the model "state_dict"; its FSDP (FSDP1) strategy keys it "model".
-        keys = list(_read_metadata(path).state_dict_metadata)
+        reader = _open(path)
+        keys = list(reader.read_metadata().state_dict_metadata)
         has_state_dict = any(k.startswith("state_dict.") for k in keys)
         model_key = "model" if not has_state_dict and any(k.startswith("model.") for k in keys) else "state_dict"
         split = SplitState(
             modules={model_key: module},
             optimizers={f"optimizer_{i}": (opt, module) for i, opt in enumerate(optimizers)},
         )
-        return _load_distributed(path, split, {}, strict=strict, weights_only=weights_only)
+        return _load_distributed(path, split, {}, strict=strict, weights_only=weights_only, reader=reader)
     checkpoint = read_full_checkpoint(path, weights_only)
     model_key = "state_dict" if "state_dict" in checkpoint else "model"  # "model": a converted FSDP1 folder
     if model_key not in checkpoint:
-        raise KeyError(
+        raise CheckpointKeyError(
             f"The checkpoint file {str(path)!r} has no 'state_dict' entry, so it was not written by a Lightning"
             f" Trainer (it has: {', '.join(map(repr, list(checkpoint)[:8]))}). Load it with `fabric.load` instead."
         )
@@ -224,7 +286,7 @@ def load_trainer_layout(
             if not saved
             else " Restore with the same `configure_optimizers`."
         )
-        raise KeyError(
+        raise CheckpointKeyError(
             f"The checkpoint {str(path)!r} holds {len(saved)} optimizer state(s) but the LightningModule"
             f" configures {len(optimizers)} optimizer(s).{hint}"
         )

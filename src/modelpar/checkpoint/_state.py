@@ -15,6 +15,8 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from modelpar._errors import CheckpointKeyError
+
 __all__ = ["SplitState", "apply_filter", "metadata_of", "restore_metadata", "split_state"]
 
 FilterFns = Mapping[str, Callable[[str, Any], bool]]
@@ -80,7 +82,7 @@ def restore_metadata(
     """Put saved metadata into ``state`` (stateful objects in place) and return what was not requested."""
     missing = [k for k in requested if k not in saved]
     if strict and missing:
-        raise KeyError(
+        raise CheckpointKeyError(
             f"The checkpoint {path!r} has no entry {missing[0]!r} that the given state asks for (it has:"
             f" {', '.join(repr(k) for k in saved) or 'nothing'}). Pass `strict=False` to skip missing keys."
         )
