@@ -42,9 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     convert.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    convert.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle any object the checkpoint holds (weights_only=False); only for checkpoints you trust",
+    )
     convert.set_defaults(subparser=convert)
     inspect = commands.add_parser("inspect", help="list a checkpoint's tensors, sizes and metadata")
     inspect.add_argument("path", type=Path, metavar="PATH", help="checkpoint folder or file")
+    inspect.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle any object the checkpoint holds (weights_only=False); only for checkpoints you trust",
+    )
     return parser
 
 
@@ -57,7 +67,9 @@ def _convert(args: argparse.Namespace) -> None:
     if target == "distributed":
         if args.model_only or args.dtype:
             args.subparser.error("--model-only and --dtype apply when converting to a file (--to file) only")
-        convert_to_distributed(args.src, args.dst, overwrite=args.overwrite, progress=not args.no_progress)
+        convert_to_distributed(
+            args.src, args.dst, overwrite=args.overwrite, progress=not args.no_progress, weights_only=not args.trust
+        )
         return
     convert_to_file(
         args.src,
@@ -66,6 +78,7 @@ def _convert(args: argparse.Namespace) -> None:
         dtype=_DTYPES[args.dtype] if args.dtype else None,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        weights_only=not args.trust,
     )
 
 
@@ -79,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from modelpar.checkpoint._inspect import describe_checkpoint
 
-            print(describe_checkpoint(args.path))
+            print(describe_checkpoint(args.path, weights_only=not args.trust))
     except BrokenPipeError:  # `modelpar inspect big | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as the Python docs advise
         return 1
     except (OSError, ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        from modelpar._errors import WeightsOnlyError
+
+        hint = " On the command line, `--trust` is `weights_only=False`." if isinstance(err, WeightsOnlyError) else ""
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
     return 0

@@ -43,7 +43,9 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore ``state`` from ``path`` (models, optimizers and stateful objects in place); return the rest.
 
-    ``weights_only`` goes to ``torch.load`` for the metadata: ``None`` means torch's default (``True``),
-    which refuses arbitrary pickled objects; pass ``False`` only for checkpoints you trust.
+    ``weights_only`` (``None`` means torch's default, ``True``) governs every unpickling of the load: the
+    metadata, a full file's top level, and a folder's ``.metadata`` and non-tensor entries (restricted to
+    what DCP writes there); anything else raises ``WeightsOnlyError``. Pass ``False`` only for checkpoints
+    you trust.
     """
     return Checkpointer().load(path, state, strict=strict, weights_only=weights_only, known_modules=known_modules)

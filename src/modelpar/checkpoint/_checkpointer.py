@@ -7,12 +7,17 @@ same guarantees:
 * with ``async_save=True``, ``save`` returns once the state is staged (every tensor copied to CPU memory,
   everything else deep-copied: see :class:`_Staging`) and the writing goes on in a background thread over a
   dedicated gloo process group, so it never interleaves with the training's own collectives; the next
-  ``save``, any ``load`` and ``wait()`` wait for it, and ``close()`` also releases the staging memory.
+  ``save``, any ``load`` and ``wait()`` wait for it, and ``close()`` also releases the staging memory;
+* a failure on one rank (preparing, writing, committing, in the background too) raises on every rank, at
+  once or at the next ``wait()``, instead of leaving the others in a collective until the timeout (see
+  :mod:`modelpar.checkpoint._agree`); so does a path that the processes do not all see alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +32,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
+from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_error, run_agreed
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint._dcp_read import root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA
 from modelpar.checkpoint._state import FilterFns, split_state
 
@@ -38,17 +45,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+def _sees(entry: Path) -> bool:
+    """Whether ``entry`` exists here; asked again briefly, for a file system slow to show a new name."""
+    for _ in range(5):
+        if entry.exists():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 class Checkpointer:
@@ -60,7 +63,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
         self._staging: _Staging | None = None
-        self._unsettled = False  # an async save happened since the last load: the same on every rank
+        self._outstanding: str | None = None  # what a background save does, until ``wait``: the same on every rank
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
@@ -100,63 +103,83 @@ class Checkpointer:
         shares memory with, so ``live_modules`` (the models the tensors may come from) need not be complete.
         """
         self.wait()
-        self._unsettled = self.async_save
         path = Path(path)
-        token, problem = _broadcast(self._prepare(path) if _rank() == 0 else None)
-        if problem:
-            raise IsADirectoryError(problem)
+        leader = _rank() == 0
+        where = repr(str(path))
+        token = run_agreed(f"Preparing the save to {where}", lambda: self._prepare(path, full=full), here=leader)[0]
         staged = staging_path(path, token)
+        self._check_shared(path, staged, token)
         if full:
-            if _rank() == 0:
+            payload: dict[str, Any] = {}
+            if leader:
                 payload = {**tensors, **metadata}
                 if self.async_save:  # the training goes on while the file is written: write a snapshot
                     payload = _Staging().stage(payload)  # copies not kept: rank 0 would hold a whole model
-                self._run(lambda: _write_file(payload, staged, path, token))
-            if not self.async_save:
-                _barrier()
+            self._run(f"Writing the checkpoint {where}", lambda: _write_file(payload, staged, path, token), leader)
             return
-        if _rank() == 0:
-            staged.mkdir(parents=True, exist_ok=True)  # other ranks' DCP writers may create it first
+
+        def write_metadata() -> None:
             torch.save(metadata, staged / USER_METADATA)
+
+        run_agreed(f"Writing {USER_METADATA!r} of the checkpoint {where}", write_metadata, here=leader)
+        what = f"Committing the checkpoint {where}"
         if not self.async_save:
-            dcp.save(tensors, checkpoint_id=staged)
-            if _rank() == 0:
-                commit(path, staged, token)
-            _barrier()
+            dcp.save(tensors, checkpoint_id=staged)  # DCP raises a failure on any rank on every rank itself
+            run_agreed(what, lambda: commit(path, staged, token), here=leader)
             return
         # DCP stages (copies) the tensors with our stager before returning; only the writing goes on in the
         # background. ``meta.pt`` is written above, so it is a snapshot too.
         written: Any = dcp.async_save(
             tensors, checkpoint_id=staged, process_group=self._group(), async_stager=self._stager()
         )
-        is_coordinator = _rank() == 0
 
         def finish() -> None:
             written.result()  # on rank 0 this returns after every rank's shards and .metadata are written
-            if is_coordinator:
+            if leader:
                 commit(path, staged, token)
 
-        self._run(finish)
+        self._run(f"Writing the checkpoint {where}", finish, True)
 
-    def _prepare(self, path: Path) -> tuple[str, str | None]:
-        """Rank 0: a token for the staging name, after checking that ``path`` may be replaced."""
+    def _prepare(self, path: Path, *, full: bool) -> str:
+        """Rank 0: a token for the staging name, after checking that ``path`` may be replaced.
+
+        The staging entry is created here (empty), so that every process can check that it sees it.
+        """
         if path.is_dir() and not (path / DCP_METADATA).is_file():
-            return "", (
+            raise IsADirectoryError(
                 f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint, and saving would"
                 " replace it. Choose a path inside it, or a new path."
             )
         token = new_token()
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale(path)
-        return token, None
+        staged = staging_path(path, token)
+        if full:
+            staged.touch()
+        else:
+            staged.mkdir()
+        return token
 
-    def _run(self, job: Callable[[], None]) -> None:
+    def _check_shared(self, path: Path, staged: Path, token: str) -> None:
+        """Every process must see rank 0's staging entry; each node removes its own stale leftovers."""
+        if _rank() != 0 and node_leader():  # rank 0 did in ``_prepare``; node-local disks fill up otherwise
+            with contextlib.suppress(OSError):  # a race with another node on a shared folder: not this save's
+                remove_stale(path, keep_token=token)
+        views = gather(_sees(staged))
+        if not all(seen for seen, _ in views):
+            shown = [("the save in progress" if seen else "no save in progress", host) for seen, host in views]
+            raise not_shared_error(path, shown, "save to")
+
+    def _run(self, what: str, job: Callable[[], None], here: bool) -> None:
+        """Run ``job`` where ``here``, now (then agree on the outcome) or in the background (see :meth:`wait`)."""
         if not self.async_save:
-            job()
+            run_agreed(what, job, here=here)
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelpar-ckpt")
-        self._pending = self._executor.submit(job)
+        if here:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelpar-ckpt")
+            self._pending = self._executor.submit(job)
+        self._outstanding = what  # on every rank, so every rank exchanges the outcome in ``wait``
 
     def _stager(self) -> _Staging:
         """One stager for the run (distributed format): it keeps its CPU copies and refills them on the next save.
@@ -175,10 +198,25 @@ class Checkpointer:
         return self._async_group
 
     def wait(self) -> None:
-        """Block until a background save has finished (re-raising its error, if any)."""
+        """Block until a background save has finished everywhere; its error, on any rank, raises on every rank.
+
+        Collective after an asynchronous save (every rank calls it, as ``save``, ``load`` and ``close`` do): the
+        ranks exchange their outcomes, which also waits for rank 0's commit.
+        """
         pending, self._pending = self._pending, None
+        outstanding, self._outstanding = self._outstanding, None
+        error: BaseException | None = None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except BaseException as err:  # DCP raises a CheckpointException, a BaseException
+                if not isinstance(root_cause(err), Exception):
+                    raise
+                error = err
+        if outstanding is not None:
+            agree(outstanding, error)
+        elif error is not None:
+            raise error
 
     def close(self) -> None:
         """At the end of a run: :meth:`wait`, then release the staging memory and the writer thread.
@@ -206,7 +244,7 @@ class Checkpointer:
         known_modules: Sequence[nn.Module] = (),
     ) -> dict[str, Any]:
         """Restore ``state`` from ``path`` (models, optimizers and stateful objects in place); return the rest."""
-        self._settle()
+        self.wait()
         split = split_state(state, known_modules)
         return _io.load(Path(path), split, state, strict=strict, weights_only=weights_only)
 
@@ -226,26 +264,15 @@ class Checkpointer:
         ``"optimizer_states"`` (keyed by parameter name or by position) in a single file. The model and the
         optimizers are restored in place; loops, schedulers and callbacks are in the returned dict.
         """
-        self._settle()
+        self.wait()
         return _io.load_trainer_layout(Path(path), module, list(optimizers), strict=strict, weights_only=weights_only)
 
     def load_raw(
         self, path: str | Path, module: nn.Module, *, strict: bool = True, weights_only: bool | None = None
     ) -> None:
         """Load weights into ``module`` from a raw state-dict file or a distributed folder."""
-        self._settle()
-        _io.load_raw_module(Path(path), module, strict=strict, weights_only=weights_only)
-
-    def _settle(self) -> None:
-        """Wait for our own background save, then for everyone's: rank 0 commits after its own write.
-
-        Whether to wait for the others is decided from state every rank shares (not from having pending
-        work: with the full format only rank 0 writes), so every rank enters the barrier or none does.
-        """
         self.wait()
-        if self._unsettled:
-            self._unsettled = False
-            _barrier()
+        _io.load_raw_module(Path(path), module, strict=strict, weights_only=weights_only)
 
 
 class _Staging(AsyncStager):

@@ -53,13 +53,18 @@ def _leftovers(path: Path, marker: str) -> list[Path]:
 
 
 def remove_stale(path: Path, keep_token: str | None = None) -> None:
-    """Delete what interrupted saves to ``path`` left behind (rank 0 only, before a new save)."""
+    """Delete what interrupted saves to ``path`` left behind, before a new save (by one process per node).
+
+    ``keep_token``: the save in progress, whose staging entry and, during its commit, whose previous
+    checkpoint set aside are kept.
+    """
     for entry in _leftovers(path, _PARTIAL):
         if keep_token is None or not entry.name.endswith(keep_token):
             _remove(entry)
     if path.exists():  # an ".old" entry only matters while the path itself is missing
         for entry in _leftovers(path, _OLD):
-            _remove(entry)
+            if keep_token is None or not entry.name.endswith(keep_token):
+                _remove(entry)
 
 
 def commit(path: Path, staged: Path, token: str) -> None:

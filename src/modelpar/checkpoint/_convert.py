@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from typing_extensions import override
 
-from modelpar._errors import CorruptCheckpointError
+from modelpar._errors import CorruptCheckpointError, WeightsOnlyError
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
-from modelpar.checkpoint._dcp_read import CachedReader, read_local, single_process
+from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause, single_process
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._inspect import (
     is_state_entry,
@@ -179,6 +179,8 @@ def _dcp_load(state: dict[str, Any], reader: CachedReader, src: Path) -> None:
     try:
         read_local(state, reader, partial=True)
     except (Exception, dcp.CheckpointException) as err:  # DCP wraps read errors in a BaseException subclass
+        if isinstance(cause := root_cause(err), WeightsOnlyError):  # a refused object, not damage
+            raise cause from err
         raise CorruptCheckpointError(
             f"Reading {', '.join(state)[:200]} from the checkpoint {str(src)!r} failed: it is truncated or corrupt"
             f" ({type(err).__name__}: {err})."
@@ -278,6 +280,7 @@ def convert_to_file(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    weights_only: bool | None = None,
 ) -> None:
     """Consolidate the distributed checkpoint folder ``src`` into the full (single-file) checkpoint ``dst``.
 
@@ -285,7 +288,8 @@ def convert_to_file(
     ``meta.pt``'s entries at the top level, exactly what a full-format save writes. ``model_only`` keeps the
     model state dicts only (no optimizer, no metadata), e.g. for inference. ``dtype`` casts the floating-point
     tensors of the model state dicts; optimizer state (Adam's moments would underflow in float16) and any other
-    entry keep their saved dtypes. Memory stays near twice the largest tensor.
+    entry keep their saved dtypes. Memory stays near twice the largest tensor. ``weights_only`` as in
+    :func:`~modelpar.checkpoint.load_state`: pass ``False`` only for checkpoints you trust.
     """
     src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.DISTRIBUTED, overwrite=overwrite)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -293,7 +297,7 @@ def convert_to_file(
             f"`dtype={dtype!r}` is not a floating-point torch dtype. Pass e.g. `torch.bfloat16`, or `None` to keep"
             " the saved dtypes."
         )
-    reader = CachedReader(src_path, read_dcp_metadata(src_path))
+    reader = CachedReader(src_path, read_dcp_metadata(src_path, weights_only=weights_only), weights_only=weights_only)
     items = _items(reader.read_metadata())
     kinds = _kinds(items)
     if model_only:
@@ -310,7 +314,7 @@ def convert_to_file(
             f"The checkpoint {str(src_path)!r} holds no model state dict for `dtype={dtype}` to cast (optimizer state"
             f" and other entries keep their dtypes); it has: {found}. Convert without `dtype`."
         )
-    metadata = {} if model_only else read_user_metadata(src_path)
+    metadata = {} if model_only else read_user_metadata(src_path, weights_only=weights_only)
     if clash := sorted(set(metadata) & {item.top for item in items}):
         raise ValueError(
             f"The checkpoint {str(src_path)!r} has entries {clash} both in its tensor state and in"
@@ -372,7 +376,12 @@ class _CountingSavePlanner(dcp.DefaultSavePlanner):
 
 
 def convert_to_distributed(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False, progress: bool = True
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    weights_only: bool | None = None,
 ) -> None:
     """Shard the full (single-file) checkpoint ``src`` into the distributed checkpoint folder ``dst``.
 
@@ -381,7 +390,7 @@ def convert_to_distributed(
     memory-mapped, not read into memory.
     """
     src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.FULL, overwrite=overwrite)
-    checkpoint = read_full_checkpoint(src_path)
+    checkpoint = read_full_checkpoint(src_path, weights_only)
     state = {key: value for key, value in checkpoint.items() if is_state_entry(value)}
     if not state:
         raise ValueError(

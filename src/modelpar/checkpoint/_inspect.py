@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from modelpar._errors import CorruptCheckpointError
+from modelpar._errors import CorruptCheckpointError, WeightsOnlyError
+from modelpar.checkpoint._dcp_read import CachedReader
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._io import detect, read_full_checkpoint
 
@@ -70,22 +70,27 @@ def is_state_entry(value: Any) -> bool:
     return flat and any(isinstance(v, torch.Tensor) for v in values)
 
 
-def read_dcp_metadata(folder: Path) -> Metadata:
-    """DCP's ``.metadata`` of ``folder``: per flattened key its shape and dtype, and its nested path."""
+def read_dcp_metadata(folder: Path, *, weights_only: bool | None = None) -> Metadata:
+    """DCP's ``.metadata`` of ``folder``: per flattened key its shape and dtype, and its nested path.
+
+    ``weights_only`` true or ``None`` (torch's default): unpickled admitting only what DCP writes there.
+    """
     try:
-        return dcp.FileSystemReader(folder).read_metadata()
+        return CachedReader(folder, weights_only=weights_only).read_metadata()
+    except WeightsOnlyError:
+        raise
     except Exception as err:  # a pickle of DCP classes: anything can go wrong with a damaged file
         raise CorruptCheckpointError(
             f"The checkpoint {str(folder)!r} has an unreadable {DCP_METADATA!r} file ({type(err).__name__}: {err})."
         ) from err
 
 
-def read_user_metadata(folder: Path) -> dict[str, Any]:
+def read_user_metadata(folder: Path, *, weights_only: bool | None = None) -> dict[str, Any]:
     """The non-tensor state a distributed checkpoint keeps in ``meta.pt`` (``{}`` if the file is absent)."""
     meta_path = folder / USER_METADATA
     if not meta_path.is_file():
         return {}
-    return read_full_checkpoint(meta_path)
+    return read_full_checkpoint(meta_path, weights_only)
 
 
 def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
@@ -98,10 +103,11 @@ def _row(key: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> t
     return key, str(list(shape)), str(dtype).removeprefix("torch."), format_size(nbytes)
 
 
-def describe_checkpoint(path: str | os.PathLike[str]) -> str:
+def describe_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = None) -> str:
     """A human-readable listing: the format, one line per tensor (key, shape, dtype, size), totals, metadata keys.
 
     Meant for a quick look before converting or loading (``modelpar inspect PATH``); reads no tensor data.
+    ``weights_only`` as in :func:`~modelpar.checkpoint.load_state`: pass ``False`` only for checkpoints you trust.
     """
     path = Path(path)
     fmt = detect(path)
@@ -109,7 +115,7 @@ def describe_checkpoint(path: str | os.PathLike[str]) -> str:
     total = 0
     others: list[str] = []
     if fmt is CheckpointFormat.DISTRIBUTED:
-        for key, item in read_dcp_metadata(path).state_dict_metadata.items():
+        for key, item in read_dcp_metadata(path, weights_only=weights_only).state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
                 dtype = item.properties.dtype
                 nbytes = item.size.numel() * dtype.itemsize
@@ -117,9 +123,9 @@ def describe_checkpoint(path: str | os.PathLike[str]) -> str:
                 total += nbytes
             else:
                 others.append(key)
-        metadata = list(read_user_metadata(path))
+        metadata = list(read_user_metadata(path, weights_only=weights_only))
     else:
-        checkpoint = read_full_checkpoint(path)
+        checkpoint = read_full_checkpoint(path, weights_only)
         metadata = [key for key, value in checkpoint.items() if not is_state_entry(value)]
         for key, tensor in iter_tensors(checkpoint, ""):
             nbytes = tensor.numel() * tensor.element_size()

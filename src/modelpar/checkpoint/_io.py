@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from modelpar._errors import (
     CorruptCheckpointError,
     WeightsOnlyError,
 )
+from modelpar.checkpoint._agree import gather, not_shared_error
 from modelpar.checkpoint._commit import describe_leftovers
 from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
@@ -64,6 +66,35 @@ def detect(path: Path) -> CheckpointFormat:
     raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}: the path does not exist.{describe_leftovers(path)}")
 
 
+def detect_shared(path: Path) -> CheckpointFormat:
+    """:func:`detect` on every rank, agreed (a collective): the same format, or the same error, everywhere.
+
+    Ranks that see different things at ``path`` (node-local disks, a file system slow to show a rename) all
+    raise one error saying the path is not shared, instead of some entering the load while others raise.
+    """
+    for attempt in range(2):  # once more after a moment: a file system may show a fresh rename late
+        error: Exception | None = None
+        try:
+            view = detect(path).value
+        except (OSError, ValueError) as err:
+            error, view = err, type(err).__name__
+        views = gather(view)
+        if len({view for view, _ in views}) == 1:
+            break
+        if attempt == 0:
+            time.sleep(1.0)
+    else:
+        raise not_shared_error(path, [(_seen(view), host) for view, host in views], "load")
+    if error is not None:
+        raise error
+    return CheckpointFormat(view)
+
+
+def _seen(view: str) -> str:
+    formats = {f.value: f"a {f.value} checkpoint" for f in CheckpointFormat}
+    return formats.get(view, "no checkpoint" if "NotFound" in view else f"no loadable checkpoint ({view})")
+
+
 def gather_state(split: SplitState, *, full: bool, filters: FilterFns | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensor state, metadata): sharded state dicts, or full ones gathered to CPU for the single-file format."""
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
@@ -80,7 +111,7 @@ def load(
     path: Path, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     """Restore models, optimizers and metadata from ``path`` (format detected); return the unrequested rest."""
-    if detect(path) is CheckpointFormat.DISTRIBUTED:
+    if detect_shared(path) is CheckpointFormat.DISTRIBUTED:
         return _load_distributed(path, split, state, strict=strict, weights_only=weights_only)
     checkpoint = read_full_checkpoint(path, weights_only)
     for key, module in split.modules.items():
@@ -130,11 +161,16 @@ def read_full_checkpoint(path: Path, weights_only: bool | None = True) -> dict[s
     return loaded
 
 
-def _open(path: Path) -> CachedReader:
-    """A reader of the folder ``path`` with its ``.metadata`` read, once for the checks and the reading alike."""
-    reader = CachedReader(path)
+def _open(path: Path, weights_only: bool | None) -> CachedReader:
+    """A reader of the folder ``path`` with its ``.metadata`` read, once for the checks and the reading alike.
+
+    ``weights_only`` (true or ``None``): ``.metadata`` and the non-tensor entries are unpickled safely.
+    """
+    reader = CachedReader(path, weights_only=weights_only)
     try:
         reader.read_metadata()
+    except WeightsOnlyError:
+        raise
     except Exception as err:
         raise CorruptCheckpointError(
             f"The checkpoint {str(path)!r} has an unreadable {DCP_METADATA!r} file: {err}"
@@ -148,7 +184,7 @@ def _dcp_load(state: dict[str, Any], reader: CachedReader, path: Path, strict: b
     One small all-gather of the outcome replaces the three collectives of each ``dcp.load`` call.
     """
     error: BaseException | None = None
-    what: str | None = None
+    what: tuple[str, bool] | None = None  # (what went wrong, whether weights_only refused an object)
     try:
         read_local(state, reader, partial=not strict)
     except BaseException as err:  # DCP wraps what goes wrong in a CheckpointException (a BaseException)
@@ -156,19 +192,22 @@ def _dcp_load(state: dict[str, Any], reader: CachedReader, path: Path, strict: b
         if not isinstance(cause, Exception):  # KeyboardInterrupt and the like: not about the checkpoint
             raise
         detail = str(cause).splitlines()[0] if str(cause) else ""
-        error, what = err, f"{type(cause).__name__}: {detail}" if detail else type(cause).__name__
-    outcomes = [what]
-    if dist.is_initialized():
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, what)
+        if isinstance(cause, WeightsOnlyError):  # not damage: its message names the object and the fix
+            what = (str(cause), True)
+        else:
+            what = (f"{type(cause).__name__}: {detail}" if detail else type(cause).__name__, False)
+        error = err
+    outcomes = [outcome for outcome, _host in gather(what)]  # one all-gather, as for every shared outcome
     failed = [(rank, w) for rank, w in enumerate(outcomes) if w is not None]
     if failed:
-        rank, what = failed[0]
+        rank, (text, refused) = failed[0]
         where = ""
         if dist.is_initialized():
             where = f" on rank {rank}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+        if refused:
+            raise WeightsOnlyError(f"{text} (Raised{where}.)" if where else text) from error
         raise CorruptCheckpointError(
-            f"Reading the checkpoint {str(path)!r} failed{where}: it is truncated or corrupt ({what})."
+            f"Reading the checkpoint {str(path)!r} failed{where}: it is truncated or corrupt ({text})."
         ) from error
 
 
@@ -188,7 +227,7 @@ def _load_distributed(
     so these errors raise everywhere before a model or optimizer changes. ``reader`` and ``module_states``
     (by key, from ``get_model_state_dict``) may come from the caller, which looked at them already.
     """
-    reader = reader or _open(path)
+    reader = reader or _open(path, weights_only)
     saved = reader.read_metadata().state_dict_metadata
     to_read: dict[str, Any] = {}
     for key, module in split.modules.items():
@@ -228,10 +267,10 @@ def _load_distributed(
 
 def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only: bool | None) -> None:
     """Load weights only into ``module`` (sharded or plain): a raw state-dict file, or a model in a folder."""
-    if detect(path) is CheckpointFormat.FULL:
+    if detect_shared(path) is CheckpointFormat.FULL:
         load_full_model_state(module, read_full_checkpoint(path, weights_only), strict=strict, where=repr(str(path)))
         return
-    reader = _open(path)
+    reader = _open(path, weights_only)
     saved = reader.read_metadata().state_dict_metadata
     module_state = get_model_state_dict(module)
     names = list(module_state)
@@ -256,9 +295,9 @@ def load_trainer_layout(
     Distributed folders hold the model under ``"state_dict"`` (Lightning's ``ModelParallelStrategy``, ours) or
     ``"model"`` (Lightning's FSDP1 ``FSDPStrategy``), and the optimizers as ``"optimizer_<i>"``.
     """
-    if detect(path) is CheckpointFormat.DISTRIBUTED:
+    if detect_shared(path) is CheckpointFormat.DISTRIBUTED:
         # Lightning's ModelParallelStrategy keys the model "state_dict"; its FSDP (FSDP1) strategy keys it "model".
-        reader = _open(path)
+        reader = _open(path, weights_only)
         keys = list(reader.read_metadata().state_dict_metadata)
         has_state_dict = any(k.startswith("state_dict.") for k in keys)
         model_key = "model" if not has_state_dict and any(k.startswith("model.") for k in keys) else "state_dict"
