@@ -1,31 +1,85 @@
 """Meta-device materialization: allocate real storage for a (sharded) module and initialize it.
 
-The idiom, written plainly: build the model under ``torch.device("meta")`` (no memory), shard it
-with ``parallelize_fn`` (still no memory), then ``to_empty`` allocates only each rank's shard on the
-real device and ``reset_parameters()`` fills it. On accelerator meshes DTensor's random ops keep sharded
-and replicated initialization consistent across ranks, so every rank ends up with its part of one
-coherent model.
+The idiom, written plainly: build the model under ``torch.device("meta")`` (no memory), shard it with
+``parallelize_fn`` (still no memory), then :func:`materialize_module` allocates each rank's shard on the
+real device and runs the model's own initialization code.
 
-DTensor has no random-number support on CPU meshes: there a random op on a DTensor fills each rank's
-local shard from that rank's own generator (torch warns "DTensor random operators may not have complete
-support on cpu device mesh"), so with one seed on every rank all shards of a weight come out identical.
-On such meshes each module is therefore initialized at full size on plain tensors and every rank keeps
-its slice: the result equals a single-process model built after the same ``torch.manual_seed``, at the
-cost of one module's full-size tensors at a time.
+**Guarantee.** On every layout (any mix of FSDP2, HSDP and tensor parallelism, on any device type) each
+rank ends up with its slice of the very model one process builds from the same random state, bit for bit.
+For an ordinary model that is ``torch.manual_seed(s); Model(...)`` built eagerly: the initializers run in
+the order the constructors would run them and draw full-size tensors, so they consume the global random
+stream exactly as eager construction does (which also leaves the stream in the same state afterwards).
+DTensor's own random ops cannot promise this: on CUDA they derive each shard from an offset into a shared
+stream (not the values one process draws), and on CPU meshes they have no support at all (every shard
+repeats one rank's draws).
+
+**How.** Each initializer runs on full-size plain tensors and every rank keeps its slice
+(``distribute_tensor(..., src_data_rank=None)`` slices locally, with no communication, also for the
+``_StridedShard`` placements of FSDP over TP). A module's own DTensors are swapped for full-size stand-ins
+while its ``reset_parameters()`` runs, so arbitrary code works on them. An initializer that reaches
+DTensors of other modules (a parent's ``reset_parameters()``, the root hook) runs under a torch-function
+mode that performs each in-place ``nn.init.*_`` call and random ``Tensor`` method (``normal_``,
+``uniform_`` ...) on such a DTensor at full size and copies this rank's slice back. Memory: one module's own
+full-size tensors at a time, plus one tensor; never the whole model.
+
+**Order.** Modules are visited children first, then their parent (siblings in registration order), and
+``reset_parameters()`` is called on every module that defines it, even on one without tensors of its own,
+so a parent that customizes its children's initialization wins over their defaults. Last comes the
+**root hook**: if the root module defines a callable ``init_weights()`` (the torchtitan and Hugging Face
+convention), it is called with no arguments, and its values win over everything before it.
+
+**Real tensors are kept.** Only meta tensors are allocated (through ``module._apply`` on the root, so
+FSDP2's bookkeeping is updated and tied tensors stay tied); tensors that were already real (loaded or
+trained weights) keep their values bit for bit. A module's own ``reset_parameters()`` runs if any of its own
+tensors was on the meta device, and its real ones are restored afterwards. A hook that would reach other
+modules' tensors runs only when its whole subtree was on the meta device (it could otherwise overwrite
+real weights); when it is skipped for that reason a rank-0 warning names it. A module with no meta tensor
+in its subtree is not touched. So a set-up, trained module that gains a new submodule on the meta device
+can be materialized again: only the new part is initialized.
+
+**Ranks agree on the random state.** Every rank must draw the same full-size tensors, or the slices would
+come from different models. With a process group of more than one rank, a digest of the CPU random state
+(and of the target device's) is compared across ranks first. If all agree (the user seeded every rank
+alike), initialization draws from the global stream as eager construction would. If they differ (nobody
+seeded), rank 0's states are broadcast and used inside ``torch.random.fork_rng``, so the model is still one
+coherent model, each rank's own stream is left as it was, and a rank-0 warning asks for a seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-from collections.abc import Callable
-from typing import TypeGuard
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["has_meta_tensors", "materialize_module"]
+
+_RANDOM_TENSOR_METHODS = (
+    "normal_",
+    "uniform_",
+    "bernoulli_",
+    "exponential_",
+    "log_normal_",
+    "cauchy_",
+    "geometric_",
+    "random_",
+)
+#: In-place initializers a hook may call on another module's DTensor; each is run at full size instead.
+#: (Of ``nn.init``, the torch-function mode sees only those that dispatch through ``__torch_function__``;
+#: the others are plain Python over ``Tensor`` methods, whose random ones the mode sees one by one.)
+_FULL_SIZE_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+    [getattr(torch.Tensor, name) for name in _RANDOM_TENSOR_METHODS]
+    + [getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+)
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -37,35 +91,242 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def _without_dtensor_rng(t: torch.Tensor) -> TypeGuard[DTensor]:
-    """A DTensor on a mesh whose device has no RNG state DTensor could drive (torch's own test, no warning)."""
-    return isinstance(t, DTensor) and not hasattr(getattr(torch, t.device_mesh.device_type, None), "set_rng_state")
+@dataclass(frozen=True)
+class _Node:
+    """One module as it was before allocation: which of its own tensors were meta, and what lies below."""
+
+    path: str
+    module: nn.Module
+    meta_names: tuple[str, ...]  # own tensors on the meta device
+    real_names: tuple[str, ...]  # own tensors already real
+    reaches_others: bool  # some descendant owns tensors, so a hook here may touch them
+    subtree_meta: bool  # some tensor in the subtree (own included) is on the meta device
+    real_example: str | None  # the path of a real tensor in the subtree, if any
+
+    @property
+    def label(self) -> str:
+        return (
+            f"`{self.path}` ({type(self.module).__name__})" if self.path else f"the root {type(self.module).__name__}"
+        )
 
 
-def _reset_at_full_size(module: nn.Module, reset: Callable[[], None]) -> None:
-    """Run ``reset`` on full-size plain stand-ins for ``module``'s DTensors, then keep this rank's slice.
+def _plan(root: nn.Module) -> list[_Node]:
+    """Every module once, children before their parent, siblings in registration order."""
+    nodes: list[_Node] = []
+    below: dict[int, tuple[bool, bool, str | None]] = {}  # id -> (owns tensors, has meta, a real tensor's path)
 
-    Every rank draws the same full tensors (same seed) and slices them locally, with no communication.
-    A stand-in that ``reset`` replaced is left as ``reset`` set it, as calling ``reset`` directly would.
+    def visit(module: nn.Module, path: str) -> None:
+        below[id(module)] = (False, False, None)  # marks it visited; a shared module is walked once
+        for name, child in module.named_children():
+            if id(child) not in below:
+                visit(child, f"{path}.{name}" if path else name)
+        own = _own_tensors(module)
+        meta = tuple(n for n, t in own if t.is_meta)
+        real = tuple(n for n, t in own if not t.is_meta)
+        children = [below[id(c)] for c in module.children()]
+        reaches = any(c[0] for c in children)
+        subtree_meta = bool(meta) or any(c[1] for c in children)
+        example = (f"{path}.{real[0]}" if path else real[0]) if real else next((c[2] for c in children if c[2]), None)
+        below[id(module)] = (bool(own) or reaches, subtree_meta, example)
+        nodes.append(_Node(path, module, meta, real, reaches, subtree_meta, example))
+
+    visit(root, "")
+    return nodes
+
+
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """Give every meta tensor storage on ``device``; leave real ones as they are.
+
+    Through ``_apply`` on the root, like ``to_empty``: FSDP2's override re-registers its sharded parameters.
+    A tensor shared by several modules is allocated once; ``_apply`` wraps a plain parameter that changes
+    device in a new ``Parameter`` per module, so the owners are pointed back at one object afterwards.
     """
-    swapped: dict[str, tuple[DTensor, torch.Tensor]] = {}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, t in _own_tensors(owner):
+            owners.setdefault(id(t), []).append((owner, name))
+    shared_ids = {key for key, found in owners.items() if len(found) > 1}
+    allocated: dict[int, torch.Tensor] = {}  # shared tensors only, so nothing else outlives its swap
+
+    def allocate(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t
+        if id(t) not in shared_ids:
+            return torch.empty_like(t, device=device)
+        if id(t) not in allocated:
+            allocated[id(t)] = torch.empty_like(t, device=device)
+        return allocated[id(t)]
+
+    module._apply(allocate)
+    for (first, first_name), *others in (o for o in owners.values() if len(o) > 1):
+        shared = getattr(first, first_name)
+        for owner, name in others:
+            if getattr(owner, name) is not shared:
+                setattr(owner, name, shared)
+
+
+def _slice_into(dtensor: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of ``full`` into ``dtensor``'s local shard, without communication."""
+    shard = distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None)
+    with torch.no_grad():
+        dtensor.to_local().copy_(shard.to_local())
+
+
+class _FullSizeInit(TorchFunctionMode):
+    """Runs in-place initializers on DTensors at full size on a plain tensor, then keeps this rank's slice.
+
+    Handled at the outermost call: an ``nn.init`` function that dispatches here runs whole on the plain
+    tensor (its inner calls then see no DTensor); one that does not dispatch is plain Python whose random
+    ``Tensor`` methods arrive here one by one. Memory: one full-size tensor at a time.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _FULL_SIZE_FUNCTIONS:
+            in_args = bool(args) and isinstance(args[0], DTensor)
+            target = args[0] if in_args else kwargs.get("tensor")
+            if isinstance(target, DTensor) and not target.is_meta:
+                full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                if in_args:
+                    args = (full, *args[1:])
+                else:
+                    kwargs["tensor"] = full
+                func(*args, **kwargs)
+                _slice_into(target, full)
+                return target
+        return func(*args, **kwargs)
+
+
+def _run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...]) -> None:
+    """Run ``hook`` with ``module``'s own DTensors and its ``keep`` tensors behind stand-ins.
+
+    A DTensor's stand-in is a full-size plain tensor; afterwards this rank's slice of it goes into the DTensor
+    (unless the tensor is in ``keep``). A plain ``keep`` tensor's stand-in is a copy; the originals of
+    ``keep`` come back untouched. A stand-in the hook replaced is left as the hook set it. Other modules'
+    DTensors are handled by :class:`_FullSizeInit`.
+    """
+    swapped: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, t in _own_tensors(module):
-        if _without_dtensor_rng(t):
-            full = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
-            stand_in = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
-            swapped[name] = (t, stand_in)
-            setattr(module, name, stand_in)
+        if isinstance(t, DTensor):
+            data = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        elif name in keep:
+            data = t.detach().clone()
+        else:
+            continue
+        stand_in = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        swapped[name] = (t, stand_in)
+        setattr(module, name, stand_in)
     try:
-        reset()
+        with _FullSizeInit():
+            hook()
     finally:
-        kept = {name: pair for name, pair in swapped.items() if getattr(module, name) is pair[1]}
-        for name, (original, _) in kept.items():
-            setattr(module, name, original)
-    for original, stand_in in kept.values():  # reached only when reset() returned
-        mesh, placements = original.device_mesh, original.placements
-        shard = distribute_tensor(stand_in.detach(), mesh, placements, src_data_rank=None).to_local()
-        with torch.no_grad():
-            original.to_local().copy_(shard)
+        filled: list[tuple[DTensor, torch.Tensor]] = []
+        for name, (original, stand_in) in swapped.items():
+            if name in keep or getattr(module, name) is stand_in:
+                setattr(module, name, original)
+                if name not in keep and isinstance(original, DTensor):
+                    filled.append((original, stand_in))
+    for original, stand_in in filled:  # reached only when the hook returned
+        _slice_into(original, stand_in)
+
+
+def _device_rng(device: torch.device) -> Any:
+    """The module of ``device``'s random state (``torch.cuda`` ...), or None for the CPU or if it has none."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    has_state = callable(getattr(backend, "get_rng_state", None)) and callable(getattr(backend, "set_rng_state", None))
+    return backend if has_state else None
+
+
+@contextmanager
+def _ranks_agree_on_rng(device: torch.device) -> Iterator[None]:
+    """Make every rank draw the same numbers: as they are if the ranks agree, else rank 0's, in a fork."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        yield
+        return
+    backend = _device_rng(device)
+    states = [torch.get_rng_state()] + ([backend.get_rng_state(device)] if backend is not None else [])
+    digest = hashlib.sha256(b"".join(s.cpu().numpy().tobytes() for s in states)).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        yield
+        return
+    payload: list[Any] = [states]
+    dist.broadcast_object_list(payload, src=0)
+    rank_zero_warn(
+        f"The ranks had different random states ({len(set(digests))} distinct among {len(digests)} ranks) when"
+        " the model's meta-device tensors were initialized, so rank 0's state was used on every rank to build"
+        " one coherent model. For a reproducible model, call `lightning.seed_everything(seed)` (or"
+        " `torch.manual_seed(seed)`) with the same seed on every rank before creating it."
+    )
+    devices = [device] if backend is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.set_rng_state(payload[0][0])
+        if backend is not None:
+            backend.set_rng_state(payload[0][1], device)
+        yield
+
+
+def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
+    """Run the hooks children first, then the root hook; warn about what is left uninitialized."""
+    covered: set[int] = set()  # modules a hook over their subtree ran on
+    skipped: list[str] = []
+    for node in nodes:
+        reset = getattr(node.module, "reset_parameters", None)
+        if not node.subtree_meta or not callable(reset):
+            continue
+        if node.reaches_others and node.real_example is not None:
+            skipped.append(_skip_message(node, "reset_parameters"))
+            continue
+        _run_hook(node.module, reset, keep=node.real_names)
+        covered.update(id(m) for m in node.module.modules())
+    root_node = nodes[-1]
+    init_weights = getattr(root, "init_weights", None)
+    if callable(init_weights):
+        if root_node.real_example is not None:
+            skipped.append(_skip_message(root_node, "init_weights"))
+        else:
+            _run_hook(root, init_weights, keep=())
+            covered.update(id(m) for m in root.modules())
+    if skipped:
+        rank_zero_warn(
+            "Meta-device initialization skipped hooks that would overwrite real tensors:\n"
+            + "\n".join(f"- {s}" for s in skipped)
+        )
+    uninitialized = sorted(
+        {
+            type(n.module).__name__
+            for n in nodes
+            if n.meta_names
+            and id(n.module) not in covered
+            and not callable(getattr(n.module, "reset_parameters", None))
+        }
+    )
+    if uninitialized:
+        rank_zero_warn(
+            "Meta-device initialization is incomplete: these module classes own parameters or buffers but"
+            " define no `reset_parameters()`, so their tensors hold uninitialized memory:"
+            f" {', '.join(uninitialized)}. Define `reset_parameters()` on them, or load a checkpoint"
+            " before training."
+        )
+
+
+def _skip_message(node: _Node, hook: str) -> str:
+    own = f" Its own meta tensors {list(node.meta_names)} were left uninitialized." if node.meta_names else ""
+    return (
+        f"{node.label}.{hook}() was not called: it may re-initialize its submodules' tensors, and"
+        f" `{node.real_example}` among them is already real (loaded or trained weights would be lost). The"
+        f" submodules' own `reset_parameters()` ran instead.{own} Build the whole module on the meta device"
+        " to have it run, or load a checkpoint for it."
+    )
 
 
 def _meta_tensor_names(module: nn.Module) -> list[str]:
@@ -74,34 +335,22 @@ def _meta_tensor_names(module: nn.Module) -> list[str]:
 
 
 def materialize_module(module: nn.Module, device: torch.device) -> None:
-    """Allocate every meta tensor of ``module`` on ``device`` and re-initialize it in place.
+    """Allocate every meta tensor of ``module`` on ``device`` and initialize it; keep real tensors as they are.
 
-    ``reset_parameters()`` is called on each submodule that owns parameters or buffers; the classes
-    without one are named in a rank-0 warning, because their tensors hold uninitialized memory.
-    Raises ``RuntimeError`` naming any tensor still on the meta device afterwards (a ``reset_parameters``
-    that re-created a tensor on meta, for example), since training on it would fail far from the cause.
+    Calls ``reset_parameters()`` children first, then ``module.init_weights()`` if the root defines it (see
+    the module docstring for the order, the guarantee and when a hook is skipped). With a process group of
+    several ranks, all ranks must call it (the ranks' random states are compared first). Module classes that
+    own meta tensors but define no ``reset_parameters()``, and that no parent hook covered, are named in a
+    rank-0 warning, because their tensors hold uninitialized memory. Raises ``RuntimeError`` naming any
+    tensor still on the meta device afterwards (a ``reset_parameters`` that re-created a tensor on meta, for
+    example), since training on it would fail far from the cause.
     """
     if not has_meta_tensors(module):
         return
-    module.to_empty(device=device)  # on the root, so shared (tied) tensors stay shared
-    uninitialized: set[str] = set()
-    for submodule in module.modules():
-        if not _own_tensors(submodule):
-            continue
-        reset = getattr(submodule, "reset_parameters", None)
-        if callable(reset) and any(_without_dtensor_rng(t) for _, t in _own_tensors(submodule)):
-            _reset_at_full_size(submodule, reset)
-        elif callable(reset):
-            reset()
-        else:
-            uninitialized.add(type(submodule).__name__)
-    if uninitialized:
-        rank_zero_warn(
-            "Meta-device initialization is incomplete: these module classes own parameters or buffers but"
-            " define no `reset_parameters()`, so their tensors hold uninitialized memory:"
-            f" {', '.join(sorted(uninitialized))}. Define `reset_parameters()` on them, or load a checkpoint"
-            " before training."
-        )
+    nodes = _plan(module)
+    _allocate(module, device)
+    with _ranks_agree_on_rng(device):
+        _initialize(module, nodes)
     still_meta = _meta_tensor_names(module)
     if still_meta:
         raise RuntimeError(

@@ -1,9 +1,16 @@
-"""Meta-device init and the Llama plan's output on CPU meshes, against a single-process reference.
+"""Meta-device init on CPU meshes, checked shard by shard against the model one process builds.
 
-DTensor has no random-number support on CPU meshes; materialization must still give every rank its slice
-of the model a single process builds from the same seed (not one shard repeated), and do it without torch's
-"DTensor random operators" warning. The plan's logits must not be a view, so in-place ops on them work.
-One spawn of 4 processes runs the meshes 2x2 (FSDP over TP: strided shards) and 1x4.
+Every rank's local shard must be its slice of the single-process model from the same seed, bit for bit, on
+every layout: 2x2 (FSDP over TP: strided shards), 1x4 and 4x1 through Fabric, HSDP 2x2x1 and 2x1x2 built
+with torch directly. Comparing gathered ``full_tensor()`` values would not do: they are equal on all ranks by
+construction, whatever each rank holds. The expected slice is computed by chunk arithmetic (TP shards the
+tensor first, FSDP the TP-local part), independent of the ``distribute_tensor`` the implementation uses.
+
+Also: a root ``init_weights`` that initializes DTensors of other modules (in-place ``nn.init`` and random
+``Tensor`` methods, outermost and nested); ranks seeded differently (rank 0's state is used, with a
+warning); a set-up and trained model keeps its weights bit-exactly when a new meta submodule is
+materialized. The plan's logits must not be a view, and torch's "DTensor random operators" warning must
+not appear. One spawn of 4 processes runs everything.
 """
 
 from __future__ import annotations
@@ -12,42 +19,189 @@ import warnings
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness import run_distributed
+from modelpar._materialize import materialize_module
 from modelpar.models import Llama
+from modelpar.plans import llama_tp_plan
 from parity import CFG, assert_matches, global_batches, lm_loss, local_slice, make_fabric, reference_model
 
+CPU = torch.device("cpu")
+HSDP_AXES = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
 
-def case_meta_init_equals_reference_and_logits_take_in_place_ops(dp: int, tp: int) -> list[str]:
+
+class HookedLlama(Llama):
+    """A root ``init_weights`` over other modules' (sharded) tensors, called last as in eager construction."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        for layer in self.layers:
+            nn.init.trunc_normal_(layer.attention.wq.weight, std=0.02)  # nested: its normal_ is seen
+            nn.init.kaiming_uniform_(layer.attention.wo.weight, a=1.0)  # dispatched whole, outermost
+            layer.feed_forward.w1.weight.data.normal_(0.0, 0.02)  # a Tensor method, through .data
+            nn.init.xavier_uniform_(layer.feed_forward.w3.weight)
+            nn.init.zeros_(layer.feed_forward.w2.weight)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.5)
+        nn.init.uniform_(self.output.weight, -0.1, 0.1)
+
+
+def expected_local(ref: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """This rank's slice of ``ref`` as the plans lay it out: the TP axis chunks first, then the data axes."""
+    mesh = p.device_mesh
+    names = list(mesh.mesh_dim_names or ())
+    axes = list(range(mesh.ndim))
+    if "tensor_parallel" in names:
+        axes.remove(tp := names.index("tensor_parallel"))
+        axes.insert(0, tp)
+    coords = mesh.get_coordinate()
+    assert coords is not None
+    local = ref
+    for axis in axes:
+        dim = getattr(p.placements[axis], "dim", None)  # Shard and _StridedShard; Replicate has none
+        if dim is not None:
+            local = torch.chunk(local, mesh.size(axis), dim=dim)[coords[axis]]
+    return local
+
+
+def check_local_shards(model: nn.Module, ref: nn.Module) -> list[str]:
+    """Compare every rank's local shard with its slice of ``ref``; return the placements seen."""
+    model = getattr(model, "module", model)  # unwrap Fabric's _FabricModule
+    ref_state = ref.state_dict()
+    placements = set()
+    for name, t in model.state_dict().items():
+        want = ref_state[name]
+        if isinstance(t, DTensor):
+            placements.update(type(pl).__name__ for pl in t.placements)
+            got, want = t.to_local(), expected_local(want, t)
+        else:
+            got = t
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    return sorted(placements)
+
+
+def recorded(fn: Any) -> tuple[Any, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(w.message) for w in caught]
+
+
+def case_fabric_layout(dp: int, tp: int) -> dict[str, Any]:
+    """Meta init through Fabric equals the reference shard by shard; logits take in-place ops; grads match."""
     fabric = make_fabric(dp, tp, world_size=4)
     torch.manual_seed(0)  # the seed reference_model(0) uses, on every rank
     with fabric.init_module(empty_init=True):
         model = Llama(CFG)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = fabric.setup_module(model)
-        ref = reference_model(0)
-        assert_matches(model, ref, "param", atol=0, rtol=0)
-        x, y = global_batches(1)[0]
-        logits = model(local_slice(fabric, x))
-        assert logits._base is None, "the logits are a view"
-        logits.mul_(2.0)  # raised "a view ... is being modified inplace" when the plan returned a view
-        fabric.backward(lm_loss(logits, local_slice(fabric, y)))
+    model, messages = recorded(lambda: fabric.setup_module(model))
+    ref = reference_model(0)
+    placements = check_local_shards(model, ref)
+    x, y = global_batches(1)[0]
+    logits = model(local_slice(fabric, x))
+    assert logits._base is None, "the logits are a view"
+    logits.mul_(2.0)  # raised "a view ... is being modified inplace" when the plan returned a view
+    fabric.backward(lm_loss(logits, local_slice(fabric, y)))
     lm_loss(ref(x) * 2.0, y).backward()
     assert_matches(model, ref, "grad")
-    return [str(w.message) for w in caught]
+    if (dp, tp) == (2, 2):
+        check_trained_weights_survive_a_new_meta_submodule(fabric, model, x)
+    return {"messages": messages, "placements": placements}
 
 
-def grid() -> dict[str, list[str]]:
-    return {
-        f"{dp}x{tp}": case_meta_init_equals_reference_and_logits_take_in_place_ops(dp, tp)
-        for dp, tp in ((2, 2), (1, 4))
-    }
+def check_trained_weights_survive_a_new_meta_submodule(fabric: Any, model: Any, x: torch.Tensor) -> None:
+    """A set-up model, trained one step, then given a meta submodule and materialized again, is unchanged."""
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer.step()
+    optimizer.zero_grad()
+    module = model.module
+    before = {n: (p, p.to_local().clone()) for n, p in module.named_parameters()}
+    with torch.no_grad():
+        logits_before = model(local_slice(fabric, x))
+    with torch.device("meta"):
+        module.extra = nn.Linear(4, 4)
+    # A meta buffer beside a trained sharded weight: the Linear's reset_parameters runs, its weight comes back.
+    module.layers[0].attention.wq.register_buffer("mask", torch.empty(2, device="meta"))
+    materialize_module(module, CPU)
+    assert not module.extra.weight.is_meta and not module.layers[0].attention.wq.mask.is_meta
+    for name, (p, value) in before.items():
+        assert module.get_parameter(name) is p, name
+        torch.testing.assert_close(p.to_local(), value, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # FSDP still gathers the same weights
+        torch.testing.assert_close(model(local_slice(fabric, x)), logits_before, atol=0, rtol=0)
 
 
-def test_meta_init_on_cpu_meshes_equals_the_single_process_model_and_logits_are_not_views() -> None:
+def case_hsdp_layout(shape: tuple[int, int, int], seed: int = 0, model_cls: type[Llama] = Llama) -> list[str]:
+    """HSDP (replicate x shard) with optional TP, built with torch directly, against the reference."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=HSDP_AXES)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = model_cls(CFG)
+    tp_mesh = mesh["tensor_parallel"]
+    if tp_mesh.size() > 1:
+        top = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        }
+        parallelize_module(model, tp_mesh, top)
+        for block in model.layers:
+            parallelize_module(block, tp_mesh, llama_tp_plan())
+    dp_mesh = mesh["data_parallel_replicate", "data_parallel_shard"]
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    materialize_module(model, CPU)
+    torch.manual_seed(seed)
+    return check_local_shards(model, model_cls(CFG))
+
+
+def case_ranks_seeded_differently(rank: int) -> dict[str, Any]:
+    """Unseeded ranks still build one model: rank 0's, and each rank's own stream is left as it was."""
+    fabric = make_fabric(2, 2, world_size=4)
+    torch.manual_seed(rank)
+    with fabric.init_module(empty_init=True):
+        model = Llama(CFG)
+    own_state = torch.get_rng_state()
+    model, messages = recorded(lambda: fabric.setup_module(model))
+    assert torch.equal(torch.get_rng_state(), own_state), "the rank's own random stream was changed"
+    check_local_shards(model, reference_model(0))
+    return {"messages": messages}
+
+
+def grid() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for dp, tp in ((2, 2), (1, 4), (4, 1)):
+        out[f"fabric {dp}x{tp}"] = case_fabric_layout(dp, tp)
+    for shape in ((2, 2, 1), (2, 1, 2)):
+        out["hsdp " + "x".join(map(str, shape))] = {"placements": case_hsdp_layout(shape)}
+    out["root init_weights 2x1x2"] = {"placements": case_hsdp_layout((2, 1, 2), model_cls=HookedLlama)}
+    out["seeded differently"] = case_ranks_seeded_differently(dist.get_rank())
+    return out
+
+
+def test_meta_init_gives_every_rank_its_slice_of_the_single_process_model_on_every_layout() -> None:
     results: list[dict[str, Any]] = run_distributed(grid, 4)
-    for rank_result in results:
-        for layout, messages in rank_result.items():
-            noisy = [m for m in messages if "DTensor random operators" in m or "returned a view tensor" in m]
-            assert not noisy, f"{layout}: {noisy}"
+    for rank, rank_result in enumerate(results):
+        for case, result in rank_result.items():
+            noisy = [
+                m
+                for m in result.get("messages", [])
+                if "DTensor random operators" in m or "returned a view tensor" in m
+            ]
+            assert not noisy, f"rank {rank}, {case}: {noisy}"
+        # FSDP over TP shards a TP-sharded dim again: the strided placement is covered.
+        assert "_StridedShard" in rank_result["fabric 2x2"]["placements"]
+        assert "_StridedShard" in rank_result["hsdp 2x1x2"]["placements"]
+        assert "Replicate" in rank_result["hsdp 2x2x1"]["placements"]
+    rank0 = results[0]["seeded differently"]["messages"]
+    assert any("ranks had different random states" in m and "rank 0's state was used" in m for m in rank0), rank0
+    agreed = [m for case, r in results[0].items() if case != "seeded differently" for m in r.get("messages", [])]
+    assert not [m for m in agreed if "different random states" in m]
