@@ -1,9 +1,10 @@
 """modelpar: N-D model parallelism (FSDP2 + tensor parallelism on a named DeviceMesh) for Lightning.
 
-Public surface: :class:`ModelParallelStrategy` (Fabric and standalone ``torchrun``), mesh-aware
-gradient clipping, the :mod:`modelpar.checkpoint` formats, and the error types (each also a subclass of
-the type Lightning or torch raises in the same situation). Ready-made parallelization plans live in
-:mod:`modelpar.plans`, small reference models in :mod:`modelpar.models`.
+Public surface: :class:`ModelParallelStrategy` (Fabric and standalone ``torchrun``), :func:`fsdp_kwargs`
+(what a ``parallelize_fn`` passes to ``fully_shard``: the data-parallel mesh, HSDP-aware, and the strategy's
+FSDP2 policies), mesh-aware gradient clipping, the :mod:`modelpar.checkpoint` formats, and the error types
+(each also a subclass of the type Lightning or torch raises in the same situation). Ready-made parallelization
+plans live in :mod:`modelpar.plans`, small reference models in :mod:`modelpar.models`.
 """
 
 from modelpar._clip import clip_grad_norm, clip_grad_value
@@ -16,7 +17,8 @@ from modelpar._errors import (
     UnsupportedReduceOpError,
     WeightsOnlyError,
 )
-from modelpar._mesh import MESH_AXES, MeshLayout
+from modelpar._fsdp import fsdp_kwargs
+from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, fsdp_mesh
 from modelpar._precision import SUPPORTED_PRECISIONS
 from modelpar.fabric import ModelParallelStrategy
 
@@ -26,6 +28,9 @@ __all__ = [
     "ModelParallelStrategy",
     "MeshLayout",
     "MESH_AXES",
+    "HSDP_MESH_AXES",
+    "fsdp_kwargs",
+    "fsdp_mesh",
     "SUPPORTED_PRECISIONS",
     "clip_grad_norm",
     "clip_grad_value",

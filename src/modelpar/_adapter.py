@@ -39,7 +39,7 @@ class CoreStrategyMixin:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("data_parallel", "tensor_parallel")`` mesh; exists after ``setup_environment``."""
+        """The ``("data_parallel", "tensor_parallel")`` mesh (3-D under HSDP); exists after ``setup_environment``."""
         return self._core.device_mesh
 
     @property
@@ -91,8 +91,16 @@ class CoreStrategyMixin:
         self._set_ranks()
         assert self.cluster_environment is not None  # set by the connector, or detected standalone
         return self._core.setup_distributed(
-            self.cluster_environment, self.root_device, num_nodes=self.num_nodes, devices_per_node=self.num_processes
+            self.cluster_environment,
+            self.root_device,
+            num_nodes=self.num_nodes,
+            devices_per_node=self.num_processes,
+            precision=self._precision_name(),
         )
+
+    def _precision_name(self) -> str:
+        """The precision flag (``"bf16-mixed"``, ...): the FSDP2 mixed-precision policy is derived from it."""
+        raise NotImplementedError
 
     def _checkpoint_path(self, path: Any, storage_options: Any) -> Path:
         """Refuse ``storage_options`` (no ``CheckpointIO`` here); rank 0's path for all ranks."""

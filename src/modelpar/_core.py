@@ -17,18 +17,21 @@ import torch.distributed as dist
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from modelpar._clip import clip_grad_norm, clip_grad_value
 from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
-from modelpar._grad_sync import GradientSyncControl
-from modelpar._materialize import has_meta_tensors, materialize_module
-from modelpar._mesh import MeshLayout, SizeArg, check_size_arg
+from modelpar._fsdp import FSDPOptions, handed_out, register_mesh
+from modelpar._grad_sync import AccumulationMode, GradientSyncControl
+from modelpar._materialize import materialize_module
+from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, SizeArg, check_size_arg
 from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = ["ParallelCore", "ParallelizeFn"]
 
@@ -42,7 +45,7 @@ _SET_UP_ON = "_modelpar_set_up_on"
 
 
 class ParallelCore:
-    """Configuration and state of one 2-D parallel run, independent of the front end driving it."""
+    """Configuration and state of one N-D parallel run, independent of the front end driving it."""
 
     def __init__(
         self,
@@ -55,10 +58,17 @@ class ParallelCore:
         process_group_backend: str | None,
         timeout: timedelta | None,
         async_save: bool = False,
+        data_parallel_replicate_size: SizeArg = 1,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        cpu_offload: bool | CPUOffloadPolicy = False,
+        reshard_after_forward: bool | int | None = None,
+        gradient_accumulation: AccumulationMode = "sharded",
     ) -> None:
         # Validate at construction: it runs identically on every rank and long before any collective.
         check_size_arg("data_parallel_size", data_parallel_size)
         check_size_arg("tensor_parallel_size", tensor_parallel_size)
+        check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
+        _check_fsdp_args(mixed_precision, cpu_offload, reshard_after_forward)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(
                 f"`parallelize_fn` must be a callable `(model, device_mesh) -> model`, but got"
@@ -70,6 +80,14 @@ class ParallelCore:
         self.parallelize_fn = parallelize_fn
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+        #: Resolved in ``setup_distributed`` (they depend on the precision, the device and the layout).
+        self.fsdp_options = FSDPOptions()
+        #: False when a ``"bf16-mixed"`` run's FSDP2 policy casts the parameters: autocast on top would only copy.
+        self.autocast = True
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.process_group_backend = process_group_backend
         self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
@@ -78,8 +96,8 @@ class ParallelCore:
         self.per_node_known = True
         self._device_mesh: DeviceMesh | None = None
         self._mesh_world: Any = None  # the default process group the mesh was built in
-        self.grad_sync = GradientSyncControl()
-        self.checkpointer = Checkpointer(async_save=async_save)
+        self.grad_sync = GradientSyncControl(gradient_accumulation)
+        self.checkpointer = Checkpointer(async_save=async_save, timeout=self.timeout)
 
     # -- environment ---------------------------------------------------------------------------------
     @staticmethod
@@ -110,8 +128,9 @@ class ParallelCore:
         *,
         num_nodes: int,
         devices_per_node: int,
+        precision: str = "32-true",
     ) -> DeviceMesh:
-        """Resolve and validate the layout, then create the process group and the mesh.
+        """Resolve and validate the layout and FSDP2 options, then create the process group and the mesh.
 
         The layout is resolved from values every rank knows before any communication, so a bad size
         raises the same ``ValueError`` on every rank instead of hanging some of them in a collective.
@@ -125,6 +144,16 @@ class ParallelCore:
             num_nodes=num_nodes,
             devices_per_node=devices_per_node,
             per_node_known=self.per_node_known,
+            data_parallel_replicate_size=self.data_parallel_replicate_size,
+        )
+        self.fsdp_options = FSDPOptions.resolve(
+            mixed_precision=self.mixed_precision,
+            cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward,
+            precision=precision,
+            device=root_device,
+            shard_size=layout.data_parallel_shard_size,
+            strategy_name=self.strategy_name,
         )
         backend = self.process_group_backend or default_backend(root_device)
         self.process_group_backend = backend
@@ -135,8 +164,9 @@ class ParallelCore:
             or world is not self._mesh_world
             or (layout, root_device.type) != (self.layout, mesh.device_type)
         ):
-            mesh, self._mesh_world = layout.build(root_device.type), world
+            mesh, self._mesh_world = layout.build(root_device.type, backend, self.timeout), world
         self.layout, self._device_mesh = layout, mesh
+        register_mesh(mesh, self.fsdp_options)
         return mesh
 
     @property
@@ -150,17 +180,25 @@ class ParallelCore:
         return self._device_mesh
 
     def sampler_kwargs(self) -> dict[str, Any]:
-        """Tensor-parallel peers must see identical batches, so the sampler splits by data-parallel rank only."""
+        """Tensor-parallel peers must see identical batches, so the sampler splits by data-parallel rank only.
+
+        Under HSDP that rank is the combined one (replica x shard), on the flattened ``"data_parallel"`` axis.
+        """
         dp_mesh = self.device_mesh["data_parallel"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
+    def axis_names(self) -> list[str]:
+        """Every axis a group can be named by: the mesh's own, plus the flattened ``"data_parallel"`` under HSDP."""
+        names = list(self.device_mesh.mesh_dim_names or ())
+        return [*names, MESH_AXES[0]] if MESH_AXES[0] not in names else names
+
     def resolve_group(self, group: Any) -> Any:
-        """Accept a mesh axis name (``"data_parallel"``/``"tensor_parallel"``) wherever a group is expected."""
+        """Accept a mesh axis name (``"data_parallel"``, ``"tensor_parallel"``, ...) wherever a group is expected."""
         if isinstance(group, str):
-            names = self.device_mesh.mesh_dim_names or ()
+            names = self.axis_names()
             if group not in names:
-                raise ValueError(f"`group={group!r}` is not a mesh axis. Use one of {list(names)} or a ProcessGroup.")
-            return self.device_mesh.get_group(group)
+                raise ValueError(f"`group={group!r}` is not a mesh axis. Use one of {names} or a ProcessGroup.")
+            return self.device_mesh[group].get_group()
         return group
 
     # -- modules -------------------------------------------------------------------------------------
@@ -177,8 +215,9 @@ class ParallelCore:
         """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors on ``root_device``.
 
         Once per module: a module set up before (a second Trainer run, a new strategy on the same layout) is
-        neither parallelized again nor re-initialized; only submodules it gained on the meta device since are
-        materialized. It must be on a mesh of the same layout and ranks, as modules cannot be re-sharded in place.
+        neither parallelized again nor re-initialized; only tensors it gained on the meta device since are
+        materialized (real ones keep their values). It must be on a mesh of the same layout and ranks, as modules
+        cannot be re-sharded in place.
         """
         reject_fsdp1_modules(module, self.strategy_name)
         mesh_key = _mesh_key(self.device_mesh)
@@ -190,7 +229,7 @@ class ParallelCore:
                     f" {_describe(mesh_key)}; a parallelized module cannot be re-sharded in place. Use the layout it"
                     " was set up on, or save a checkpoint and load it into a new module on this layout."
                 )
-            _materialize_new_submodules(module, root_device)
+            materialize_module(module, root_device)  # only what is on the meta device; trained tensors are kept
             return module
         if self.parallelize_fn is not None:
             fn_name = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
@@ -201,10 +240,48 @@ class ParallelCore:
                     f" {type(result).__name__}. End it with `return model`."
                 )
             module = result  # type: ignore[assignment]
+        self._check_fsdp_applied(module)
         materialize_module(module, root_device)
         self._warn_if_unsharded(module)
         setattr(module, _SET_UP_ON, mesh_key)
         return module
+
+    def _check_fsdp_applied(self, module: nn.Module) -> None:
+        """After ``parallelize_fn``: HSDP really applied, explicit FSDP options really used; pick autocast or policy.
+
+        Runs identically on every rank (it looks only at the module and the configuration), so the errors are
+        raised everywhere. The strategy's options reach ``fully_shard`` only through ``fsdp_kwargs``; what it
+        handed out since the mesh was registered tells whether the model got them.
+        """
+        layout, options = self.layout, self.fsdp_options
+        given = handed_out(self.device_mesh)
+        sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        if layout is not None and layout.hsdp:
+            flat = sorted({n for n, p in module.named_parameters() if _fsdp_on_flattened_axis(p)})
+            if flat:
+                shown = ", ".join(flat[:5]) + (" ..." if len(flat) > 5 else "")
+                raise ValueError(
+                    f"HSDP was asked for (`data_parallel_replicate_size={layout.data_parallel_replicate_size}`), but"
+                    f" {len(flat)} parameter(s) were sharded with `fully_shard(..., mesh=device_mesh['data_parallel'])`"
+                    f", which is plain FSDP over all {layout.data_parallel_size} data-parallel ranks: {shown}. Call"
+                    " `fully_shard(module, **modelpar.fsdp_kwargs(device_mesh))` (or"
+                    " `mesh=modelpar.fsdp_mesh(device_mesh)`), which passes the 2-D (replicate, shard) mesh."
+                )
+        if options.explicit and sharded and not given:
+            raise ValueError(
+                f"The strategy was given {', '.join(f'`{n}`' for n in options.explicit)}, but `parallelize_fn` called"
+                " `fully_shard` without them, so they would be ignored. Pass them on with"
+                " `fully_shard(module, **modelpar.fsdp_kwargs(device_mesh))`."
+            )
+        took_policy = bool(given) and all(o.casts_parameters for o in given)
+        self.autocast = not took_policy
+        if sharded and not given and options.casts_parameters:
+            rank_zero_warn(
+                "precision='bf16-mixed' runs as autocast here, because `parallelize_fn` called `fully_shard` without"
+                " `modelpar.fsdp_kwargs(device_mesh)`: FSDP2 then all-gathers and reduce-scatters in fp32 (twice the"
+                " traffic) and autocast keeps bf16 weight copies until backward. Pass"
+                " `**modelpar.fsdp_kwargs(device_mesh)` to `fully_shard` for FSDP2's bf16 policy instead."
+            )
 
     def _warn_if_unsharded(self, module: nn.Module) -> None:
         if self.device_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
@@ -230,6 +307,31 @@ class ParallelCore:
         clip_grad_value(parameters, clip_val)
 
 
+def _check_fsdp_args(mixed_precision: Any, cpu_offload: Any, reshard_after_forward: Any) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(
+            "`mixed_precision` must be a `torch.distributed.fsdp.MixedPrecisionPolicy` or None (derived from the"
+            f" precision flag), but got {type(mixed_precision).__name__}."
+        )
+    if not isinstance(cpu_offload, (bool, CPUOffloadPolicy)):
+        raise TypeError(
+            f"`cpu_offload` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`, but got {cpu_offload!r}."
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "`reshard_after_forward` must be True, False, an int (ranks to reshard to) or None (FSDP2's default),"
+            f" but got {reshard_after_forward!r}."
+        )
+
+
+def _fsdp_on_flattened_axis(param: torch.Tensor) -> bool:
+    """A parameter FSDP sharded over the flattened ``"data_parallel"`` axis of an HSDP mesh (plain FSDP, not HSDP)."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    return MESH_AXES[0] in names and HSDP_MESH_AXES[0] not in names
+
+
 def _mesh_key(mesh: DeviceMesh) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
     """What a parallelized module needs of a mesh to run on it: device type, axes, shape and ranks."""
     return (mesh.device_type, tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
@@ -239,22 +341,3 @@ def _describe(key: tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]
     device_type, axes, shape, ranks = key
     return f"{'x'.join(map(str, shape))} {device_type} mesh {axes} over ranks {list(ranks)}"
 
-
-def _materialize_new_submodules(module: nn.Module, device: torch.device) -> None:
-    """Materialize the submodules of a set-up module that are wholly on the meta device; leave real tensors alone.
-
-    ``materialize_module`` on the whole module would re-allocate and re-initialize every tensor, trained ones
-    included. Submodules come parent first, so a materialized subtree's children are real when reached.
-    """
-    for submodule in module.modules():
-        tensors = [*submodule.parameters(), *submodule.buffers()]
-        if tensors and all(t.is_meta for t in tensors):
-            materialize_module(submodule, device)
-    if has_meta_tensors(module):
-        names = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-        raise RuntimeError(
-            f"The module was set up before, and since then {len(names)} tensor(s) were put on the meta device beside"
-            f" real ones in the same submodule: {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}."
-            " Materializing them would re-initialize the trained weights next to them. Add new layers as whole"
-            " submodules on the meta device (the strategy initializes those) or create them on the real device."
-        )

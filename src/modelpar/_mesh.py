@@ -1,27 +1,46 @@
-"""The 2-D mesh layout: resolving ``"auto"`` sizes and validating them before any collective.
+"""The mesh layout: resolving ``"auto"`` sizes, validating them before any collective, and building the mesh.
 
-Everything here is pure arithmetic on values every rank already knows (world size, nodes, devices
-per node), so every rank reaches the same verdict and raises the same error: no rank can sit in
-``init_process_group`` or ``init_device_mesh`` while another has already failed.
+Everything but :meth:`MeshLayout.build` is pure arithmetic on values every rank already knows (world size,
+nodes, devices per node), so every rank reaches the same verdict and raises the same error: no rank can sit
+in ``init_process_group`` or ``init_device_mesh`` while another has already failed.
+
+Two shapes. Without replication (``data_parallel_replicate_size=1``, the default) the mesh is Lightning's 2-D
+``("data_parallel", "tensor_parallel")``. With it, data parallelism splits into replicas of sharded groups
+(HSDP: shard within a node, replicate across nodes, so the per-layer all-gathers stay on fast links and only
+one gradient all-reduce per step crosses nodes) and the mesh is 3-D
+``("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")``, replicate outermost. Its two
+data-parallel axes are also flattened into a ``"data_parallel"`` axis, so samplers, ``sync_dist`` and user
+code that reduce over the whole data-parallel group work unchanged on both shapes.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
 
 from modelpar._errors import MeshSizeError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_AXES", "MeshLayout", "SizeArg", "check_size_arg"]
+__all__ = ["HSDP_MESH_AXES", "MESH_AXES", "MeshLayout", "SizeArg", "check_size_arg", "fsdp_mesh"]
 
-#: Axis names of the mesh, outermost first. Data parallel is outermost so that tensor-parallel peers
+#: Axis names of the 2-D mesh, outermost first. Data parallel is outermost so that tensor-parallel peers
 #: are neighbouring ranks (on one node, with "auto"), where the frequent TP collectives are cheapest.
 MESH_AXES = ("data_parallel", "tensor_parallel")
 
+#: Axis names of the 3-D (HSDP) mesh, outermost first; ``"data_parallel"`` is their first two, flattened.
+HSDP_MESH_AXES = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+
 SizeArg = Literal["auto"] | int
+
+#: torch warns when a flattened axis is sliced from the root mesh, asking callers to keep the flattened mesh
+#: themselves. ``device_mesh["data_parallel"]`` is this library's documented contract (Lightning-style code
+#: relies on it), so the warning is silenced for that message only; the test suite runs against each
+#: supported torch and would catch the day slicing stops working.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 
 def check_size_arg(name: str, value: object) -> None:
@@ -45,10 +64,15 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """A resolved ``data_parallel x tensor_parallel`` layout whose product is the world size."""
+    """A resolved layout: ``data_parallel x tensor_parallel`` ranks, the data-parallel ones in replicas.
+
+    ``data_parallel_size`` is the whole data-parallel size (replicas x shards), as without replication, so
+    code that reads it keeps its meaning. The product with ``tensor_parallel_size`` is the world size.
+    """
 
     data_parallel_size: int
     tensor_parallel_size: int
+    data_parallel_replicate_size: int = 1
 
     @classmethod
     def resolve(
@@ -60,6 +84,7 @@ class MeshLayout:
         num_nodes: int,
         devices_per_node: int,
         per_node_known: bool = True,
+        data_parallel_replicate_size: SizeArg = 1,
     ) -> MeshLayout:
         """Turn user sizes (ints or ``"auto"``) into concrete ones, or raise a :class:`MeshSizeError` that says why.
 
@@ -69,9 +94,47 @@ class MeshLayout:
         ``per_node_known=False`` says that no launcher variable told how many processes share a node (standalone
         detection, ``DetectedCluster.per_node_known``): ``"auto"`` for both sizes is then refused with more than
         one process, since it could put tensor parallelism across nodes; one size given still works.
+
+        ``data_parallel_replicate_size`` splits the data-parallel ranks into that many replicas (HSDP); it must
+        divide ``data_parallel_size``. ``"auto"`` replicates across nodes and shards within one
+        (``num_nodes`` replicas) when tensor parallelism is off and there is more than one node, and is 1
+        (plain FSDP) otherwise: with TP inside a node, a shard group per node would hold one rank, so nothing
+        would be sharded at all. Unknown processes per node also give 1.
         The error is a ``ValueError`` and, like Lightning's for sizes whose product is not the world size,
         a ``RuntimeError``.
         """
+        check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
+        dp, tp = cls._resolve_2d(
+            data_parallel_size,
+            tensor_parallel_size,
+            world_size=world_size,
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            per_node_known=per_node_known,
+        )
+        replicate = data_parallel_replicate_size
+        if replicate == "auto":
+            auto_hsdp = tp == 1 and num_nodes > 1 and per_node_known and num_nodes * devices_per_node == world_size
+            return cls(dp, tp, num_nodes if auto_hsdp else 1)
+        assert isinstance(replicate, int)  # narrowed by check_size_arg; not user-facing
+        if dp % replicate:
+            raise MeshSizeError(
+                f"`data_parallel_replicate_size={replicate}` must divide the data-parallel size ({dp}, the replicas"
+                f" x the ranks that shard each replica), but it does not. Choose it among {_divisors(dp)}, or"
+                " change `data_parallel_size`."
+            )
+        return cls(dp, tp, replicate)
+
+    @staticmethod
+    def _resolve_2d(
+        data_parallel_size: SizeArg,
+        tensor_parallel_size: SizeArg,
+        *,
+        world_size: int,
+        num_nodes: int,
+        devices_per_node: int,
+        per_node_known: bool,
+    ) -> tuple[int, int]:
         check_size_arg("data_parallel_size", data_parallel_size)
         check_size_arg("tensor_parallel_size", tensor_parallel_size)
         dp, tp = data_parallel_size, tensor_parallel_size
@@ -90,7 +153,7 @@ class MeshLayout:
                     f" nodes ({num_nodes}) x devices per node ({devices_per_node}) = {num_nodes * devices_per_node},"
                     f" but the world size is {world_size}. Pass explicit sizes whose product is {world_size}."
                 )
-            return cls(num_nodes, devices_per_node)
+            return num_nodes, devices_per_node
         if dp == "auto" or tp == "auto":
             given_name = "tensor_parallel_size" if dp == "auto" else "data_parallel_size"
             other_name = "data_parallel_size" if dp == "auto" else "tensor_parallel_size"
@@ -102,21 +165,81 @@ class MeshLayout:
                     f" ({world_size}), but it does not. Choose {given_name} among {_divisors(world_size)}."
                 )
             other = world_size // given
-            return cls(other, given) if dp == "auto" else cls(given, other)
+            return (other, given) if dp == "auto" else (given, other)
         assert isinstance(dp, int) and isinstance(tp, int)
         if dp * tp != world_size:
             raise MeshSizeError(
                 f"`data_parallel_size={dp}` x `tensor_parallel_size={tp}` = {dp * tp}, but the world size is"
                 f' {world_size}. Choose sizes whose product is {world_size}, or pass "auto" for one of them.'
             )
-        return cls(dp, tp)
+        return dp, tp
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def hsdp(self) -> bool:
+        """Whether data parallelism is replicated across groups that each shard the model (a 3-D mesh)."""
+        return self.data_parallel_replicate_size > 1
+
+    @property
+    def data_parallel_shard_size(self) -> int:
+        """Ranks that shard one replica of the model."""
+        return self.data_parallel_size // self.data_parallel_replicate_size
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return HSDP_MESH_AXES if self.hsdp else MESH_AXES
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.hsdp:
+            return (self.data_parallel_replicate_size, self.data_parallel_shard_size, self.tensor_parallel_size)
         return (self.data_parallel_size, self.tensor_parallel_size)
 
-    def build(self, device_type: str) -> DeviceMesh:
-        """Create the named ``DeviceMesh``; needs the default process group to exist already."""
+    def build(self, device_type: str, backend: str, timeout: timedelta) -> DeviceMesh:
+        """Create the named ``DeviceMesh`` (and, for HSDP, its flattened ``"data_parallel"`` axis).
+
+        Needs the default process group to exist already. Every group the mesh creates gets ``timeout``:
+        left alone, ``init_device_mesh`` gives its sub-groups torch's default instead of the strategy's, so a
+        hang inside a tensor-parallel collective would outlast the timeout the user set.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        options: dict[int | str, Any] = {name: (backend, group_options(backend, timeout)) for name in self.axes}
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=options)
+        if self.hsdp:
+            # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
+            mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=(backend, group_options(backend, timeout)))
+        return mesh
+
+
+def group_options(backend: str, timeout: timedelta) -> Any:
+    """Backend options carrying ``timeout``, the only way ``init_device_mesh`` takes a timeout for its groups."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    else:
+        raise ValueError(
+            f"process_group_backend={backend!r}: the strategy can set the timeout of mesh groups for 'nccl' and"
+            " 'gloo' only. Use one of them."
+        )
+    options._timeout = timeout
+    return options
+
+
+def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``fully_shard`` takes: 2-D ``(replicate, shard)`` for HSDP, the 1-D ``"data_parallel"`` axis otherwise.
+
+    FSDP2 does HSDP when given a 2-D mesh and plain FSDP when given a 1-D one, so passing the flattened
+    ``"data_parallel"`` axis of an HSDP mesh would silently shard over every data-parallel rank instead.
+    """
+    names = device_mesh.mesh_dim_names or ()
+    if HSDP_MESH_AXES[0] in names:
+        return device_mesh[HSDP_MESH_AXES[:2]]
+    if MESH_AXES[0] not in names:
+        raise ValueError(
+            f"The mesh has axes {list(names)}, but a strategy mesh has {list(MESH_AXES)} or {list(HSDP_MESH_AXES)}."
+            " Pass the `device_mesh` the strategy gave `parallelize_fn` (or `self.device_mesh` in `configure_model`)."
+        )
+    return device_mesh[MESH_AXES[0]]

@@ -6,11 +6,15 @@ class, so a strategy that is not that class must check for itself, at the moment
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from contextlib import nullcontext
+from typing import Any, TypeVar
 
 from modelpar._lightning import classes
 
-__all__ = ["SUPPORTED_PRECISIONS", "check_precision"]
+__all__ = ["SUPPORTED_PRECISIONS", "check_precision", "without_autocast"]
+
+TPlugin = TypeVar("TPlugin")
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
@@ -41,3 +45,17 @@ def check_precision(precision: Any, strategy_name: str) -> None:
         + _WHY.get(name, "")
         + f" Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
     )
+
+
+def without_autocast(plugin: TPlugin) -> TPlugin:
+    """A copy of ``plugin`` whose ``forward_context`` enters no autocast; everything else is the plugin's own.
+
+    Used when FSDP2's mixed-precision policy already computes in bf16 (``"bf16-mixed"`` with the derived
+    policy): autocast on top would keep fp32 masters plus bf16 copies of every weight until backward and run
+    some ops in fp32 again. The forward context is what Fabric's module wrapper and the Trainer's step contexts
+    enter, so only they change; ``fabric.autocast()`` keeps using the original plugin, for code that asks for
+    autocast explicitly. A shallow copy: the precision plugins keep no per-step state.
+    """
+    quiet = copy.copy(plugin)
+    quiet.forward_context = nullcontext  # type: ignore[attr-defined]
+    return quiet

@@ -21,15 +21,17 @@ from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning_fabric.strategies import ParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from modelpar._adapter import CoreStrategyMixin
 from modelpar._core import ParallelCore, ParallelizeFn
 from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, detect_cluster
+from modelpar._grad_sync import AccumulationMode
 from modelpar._lightning import register_in_every_namespace
 from modelpar._mesh import SizeArg
-from modelpar._precision import check_precision
+from modelpar._precision import check_precision, without_autocast
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -50,7 +52,7 @@ class _BackwardSync:
 
 
 class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
-    """FSDP2 + tensor parallelism on a 2-D ``("data_parallel", "tensor_parallel")`` device mesh.
+    """FSDP2 + tensor parallelism on a ``("data_parallel", "tensor_parallel")`` device mesh, or HSDP on a 3-D one.
 
     It subclasses Lightning's ``ModelParallelStrategy`` only so that every ``isinstance`` check in Lightning
     treats it as a model-parallel strategy (Fabric refuses unsupported precisions that way, before it would
@@ -64,8 +66,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         def parallelize(model, mesh):
             parallelize_module(model, mesh["tensor_parallel"], plan)  # TP first ...
             for block in model.layers:
-                fully_shard(block, mesh=mesh["data_parallel"])       # ... then FSDP, bottom-up
-            fully_shard(model, mesh=mesh["data_parallel"])
+                fully_shard(block, **fsdp_kwargs(mesh))              # ... then FSDP, bottom-up
+            fully_shard(model, **fsdp_kwargs(mesh))
             return model
 
         fabric = L.Fabric(strategy=ModelParallelStrategy(parallelize, data_parallel_size=2), devices=4)
@@ -87,6 +89,19 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         timeout: for every collective; a hung rank fails after this instead of blocking forever.
         async_save: return from ``save_checkpoint`` once the state is staged in CPU memory and write it in
             the background; the next save, any load and ``teardown()`` wait for it.
+        data_parallel_replicate_size: split the data-parallel ranks into this many replicas, each sharding the
+            model over the rest (HSDP; the mesh becomes ``("data_parallel_replicate", "data_parallel_shard",
+            "tensor_parallel")``). ``data_parallel_size`` stays the whole data-parallel size. ``"auto"``: one
+            replica per node when ``tensor_parallel_size`` is 1 on several nodes, else 1.
+        mixed_precision: FSDP2 ``MixedPrecisionPolicy``; ``None`` derives it from the precision flag
+            (``"bf16-mixed"``: bf16 parameters and compute, fp32 gradient reduction, and no autocast).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (``True`` or a
+            ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+        reshard_after_forward: free gathered parameters after forward (``True``), keep them for backward
+            (``False``), or reshard to that many ranks (int); ``None``: FSDP2's default (all but the root).
+        gradient_accumulation: ``"sharded"`` (default) reduce-scatters every micro-batch of ``no_backward_sync``
+            so gradients stay sharded (HSDP defers only the replica all-reduce); ``"unsharded"`` skips all
+            reduction until the last micro-batch (less traffic, unsharded gradients in memory).
         accelerator, parallel_devices, cluster_environment, precision: for standalone use; Fabric sets
             them otherwise. When left out standalone, they are detected (torchrun, SLURM, ...; CUDA or CPU;
             32-bit precision).
@@ -108,6 +123,11 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
         async_save: bool = False,
+        data_parallel_replicate_size: SizeArg = 1,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        cpu_offload: bool | CPUOffloadPolicy = False,
+        reshard_after_forward: bool | int | None = None,
+        gradient_accumulation: AccumulationMode = "sharded",
     ) -> None:
         if parallelize_fn is None:
             raise TypeError(
@@ -124,7 +144,13 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             async_save=async_save,
+            data_parallel_replicate_size=data_parallel_replicate_size,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            gradient_accumulation=gradient_accumulation,
         )
+        self._quiet_precision: tuple[Precision, Precision] | None = None  # (plugin, its copy without autocast)
         ParallelStrategy.__init__(  # skip Lightning's __init__: its state is unused here
             self,
             accelerator=accelerator,
@@ -140,7 +166,13 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @property
     @override
     def precision(self) -> Precision:
-        return self._precision if self._precision is not None else Precision()
+        """The precision plugin; without autocast in its forward context when FSDP2's policy casts to bf16."""
+        plugin = self._precision if self._precision is not None else Precision()
+        if self._core.autocast:
+            return plugin
+        if self._quiet_precision is None or self._quiet_precision[0] is not plugin:
+            self._quiet_precision = (plugin, without_autocast(plugin))
+        return self._quiet_precision[1]
 
     @precision.setter
     @override
@@ -200,6 +232,9 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def teardown(self) -> None:
         """Finish background saves and release the environment (never touching the absent ``checkpoint_io``)."""
         self._teardown_all(self.precision)
+
+    def _precision_name(self) -> str:
+        return str(getattr(self._precision, "precision", "32-true"))
 
     # -- modules -------------------------------------------------------------------------------------
     @override

@@ -29,17 +29,21 @@ if not installed("pytorch"):  # pragma: no cover - exercised only without the ex
 import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from modelpar._adapter import CoreStrategyMixin
 from modelpar._core import ParallelCore, ParallelizeFn
 from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce
+from modelpar._grad_sync import AccumulationMode
 from modelpar._mesh import SizeArg
+from modelpar._precision import without_autocast
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+    from pytorch_lightning.plugins import Precision
     from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
     from pytorch_lightning.strategies import ParallelStrategy
     from torch.distributed.device_mesh import DeviceMesh
@@ -67,6 +71,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         parallelize_fn: optional ``(module, device_mesh) -> module`` applied to the LightningModule in place, once:
             later runs (``validate`` after ``fit``, a second ``fit``) use the module as it is.
         async_save: checkpoints return once staged in CPU memory and are written in the background.
+        data_parallel_replicate_size, mixed_precision, cpu_offload, reshard_after_forward, gradient_accumulation:
+            HSDP and the FSDP2 options, as for the Fabric strategy. ``configure_model`` (or ``parallelize_fn``)
+            passes them on with ``fully_shard(module, **modelpar.fsdp_kwargs(self.device_mesh))``;
+            ``gradient_accumulation`` decides what ``accumulate_grad_batches`` skips.
     """
 
     _framework = "pytorch"
@@ -81,6 +89,11 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = None,
         *,
         async_save: bool = False,
+        data_parallel_replicate_size: SizeArg = 1,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        cpu_offload: bool | CPUOffloadPolicy = False,
+        reshard_after_forward: bool | int | None = None,
+        gradient_accumulation: AccumulationMode = "sharded",
     ) -> None:
         fn: ParallelizeFn | None = parallelize_fn
         self._core = ParallelCore(
@@ -92,11 +105,36 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             async_save=async_save,
+            data_parallel_replicate_size=data_parallel_replicate_size,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+            gradient_accumulation=gradient_accumulation,
         )
+        self._quiet_precision: tuple[Precision, Precision] | None = None  # (plugin, its copy without autocast)
         ParallelStrategy.__init__(self)  # skip Lightning's __init__: its state is unused here
         self.num_nodes = 1
 
     # -- properties ----------------------------------------------------------------------------------
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """The precision plugin; without autocast in its step contexts when FSDP2's policy casts to bf16."""
+        plugin: Precision = self._precision_plugin or load("pytorch", "plugins.Precision")()
+        if self._core.autocast:
+            return plugin
+        if self._quiet_precision is None or self._quiet_precision[0] is not plugin:
+            self._quiet_precision = (plugin, without_autocast(plugin))
+        return self._quiet_precision[1]
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = precision_plugin
+
+    def _precision_name(self) -> str:
+        return str(getattr(self._precision_plugin, "precision", "32-true"))
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -172,7 +210,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduce-scatter on accumulation micro-batches (Lightning's strategy reduces every time)."""
+        """Defer gradient reduction on accumulation micro-batches as ``gradient_accumulation`` says (``_grad_sync``)."""
         assert self.model is not None
         with self._core.no_backward_sync(self.model, enabled=True):
             yield

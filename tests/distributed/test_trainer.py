@@ -44,7 +44,8 @@ def assert_weights(module: Any, ref: torch.nn.Module, what: str, atol: float = 2
 
 
 def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> Any:
-    strategy_kwargs = {k: kwargs.pop(k) for k in ("save_distributed_checkpoint", "parallelize_fn") if k in kwargs}
+    own = ("save_distributed_checkpoint", "parallelize_fn", "gradient_accumulation", "data_parallel_replicate_size")
+    strategy_kwargs = {k: kwargs.pop(k) for k in own if k in kwargs}
     strategy = ModelParallelStrategy(dp, tp, timeout=PG_TIMEOUT, **strategy_kwargs)
     defaults: dict[str, Any] = {
         "accelerator": "cpu",
@@ -93,11 +94,12 @@ def case_fit_validate_test_predict(dp: int, tp: int, world: int, nodes: int = 1)
     return out
 
 
-def case_accumulation_skips_reduction(dp: int, tp: int, world: int) -> list[bool]:
+def case_accumulation_skips_reduction(dp: int, tp: int, world: int, mode: str) -> list[bool]:
     t = trainer(
         dp,
         tp,
         world,
+        gradient_accumulation=mode,
         max_steps=2,
         accumulate_grad_batches=2,
         gradient_clip_val=0.02,
@@ -107,7 +109,7 @@ def case_accumulation_skips_reduction(dp: int, tp: int, world: int) -> list[bool
     module = lightning().LlamaModule(build_in_init=True)
     module.configure_model = lambda: None  # type: ignore[method-assign]  # the strategy's parallelize_fn does it
     t.fit(module, loader(per_rank(dp), micro_batches=2))
-    assert_weights(module, reference_run(2, accumulate=2, clip_value=0.02)[0], f"accumulate {dp}x{tp}")
+    assert_weights(module, reference_run(2, accumulate=2, clip_value=0.02)[0], f"accumulate {dp}x{tp} {mode}")
     return module.grad_none_after_backward
 
 
@@ -328,7 +330,8 @@ def grid_two(namespace: str) -> dict[str, Any]:
         out[f"precision_{precision}"] = case_precision(precision)
     for dp, tp in ((2, 1), (1, 2)):
         out[f"fit_{dp}x{tp}"] = case_fit_validate_test_predict(dp, tp, 2)
-        out[f"accumulate_{dp}x{tp}"] = case_accumulation_skips_reduction(dp, tp, 2)
+        for mode in ("sharded", "unsharded"):
+            out[f"accumulate_{mode}_{dp}x{tp}"] = case_accumulation_skips_reduction(dp, tp, 2, mode)
         for parallelize_fn in (True, False):
             out[f"rerun_{dp}x{tp}_{parallelize_fn}"] = case_rerun_fit_validate_test_predict_fit(
                 dp, tp, 2, parallelize_fn
@@ -387,11 +390,12 @@ def test_fit_validate_test_predict_match_the_reference(two, layout):
 
 
 @pytest.mark.parametrize("layout", ["2x1", "1x2"])
-def test_accumulation_skips_reduction_on_non_final_micro_batches_and_matches_reference(two, layout):
+def test_accumulation_reduces_as_the_mode_says_and_matches_reference(two, layout):
     for r in two:
-        flags = r[f"accumulate_{layout}"]
-        # micro-batches alternate: not reduced (no sharded .grad yet), then reduced (sharded .grad exists)
-        assert flags == [True, False, True, False], flags
+        # "unsharded": micro-batches alternate: not reduced (no sharded .grad yet), then reduced (sharded .grad)
+        assert r[f"accumulate_unsharded_{layout}"] == [True, False, True, False]
+        # "sharded" (default): every micro-batch reduce-scatters into the sharded .grad
+        assert r[f"accumulate_sharded_{layout}"] == [False, False, False, False]
 
 
 def test_fit_on_2x2_matches_reference_with_auto_sizes_on_two_nodes(four):

@@ -53,3 +53,53 @@ def test_auto_sizes_that_disagree_with_the_world_size_say_so():
 def test_sizes_that_are_not_positive_ints_or_auto_are_rejected(bad):
     with pytest.raises(ValueError, match=rf"`tensor_parallel_size={bad!r}` is not a valid size\. Pass a positive"):
         resolve(1, bad)
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "replicate", "nodes", "per_node", "shape"),
+    [
+        (4, 1, 2, 1, 4, (2, 2, 1)),  # HSDP: replicate outermost, then shard, then TP
+        (2, 2, 2, 1, 4, (2, 1, 2)),
+        ("auto", 1, "auto", 2, 2, (2, 2, 1)),  # "auto": a replica per node, sharded within it
+        ("auto", 1, "auto", 4, 2, (4, 2, 1)),
+        ("auto", "auto", "auto", 2, 2, (2, 2)),  # TP within the node: sharding there would be size 1, so plain FSDP
+        (4, 1, "auto", 1, 4, (4, 1)),  # one node: nothing to replicate across
+        (4, 1, 1, 1, 4, (4, 1)),
+    ],
+)
+def test_replicate_size_makes_a_3d_mesh_with_the_whole_data_parallel_size_kept(
+    dp, tp, replicate, nodes, per_node, shape
+):
+    layout = MeshLayout.resolve(
+        dp,
+        tp,
+        world_size=nodes * per_node,
+        num_nodes=nodes,
+        devices_per_node=per_node,
+        data_parallel_replicate_size=replicate,
+    )
+    assert layout.shape == shape
+    assert layout.data_parallel_size * layout.tensor_parallel_size == nodes * per_node
+    assert layout.axes == (
+        ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+        if len(shape) == 3
+        else ("data_parallel", "tensor_parallel")
+    )
+
+
+def test_auto_replicate_without_known_processes_per_node_is_plain_fsdp():
+    layout = MeshLayout.resolve(
+        4, 1, world_size=4, num_nodes=2, devices_per_node=2, per_node_known=False, data_parallel_replicate_size="auto"
+    )
+    assert layout.shape == (4, 1)
+
+
+def test_a_replicate_size_that_does_not_divide_data_parallel_lists_the_choices():
+    with pytest.raises(MeshSizeError) as e:
+        MeshLayout.resolve(4, 2, world_size=8, num_nodes=1, devices_per_node=8, data_parallel_replicate_size=3)
+    assert str(e.value) == (
+        "`data_parallel_replicate_size=3` must divide the data-parallel size (4, the replicas x the ranks that shard"
+        " each replica), but it does not. Choose it among [1, 2, 4], or change `data_parallel_size`."
+    )
+    with pytest.raises(MeshSizeError, match=r"`data_parallel_replicate_size=0` is not a valid size"):
+        MeshLayout.resolve(4, 1, world_size=4, num_nodes=1, devices_per_node=4, data_parallel_replicate_size=0)

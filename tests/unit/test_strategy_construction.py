@@ -21,6 +21,9 @@ def test_public_surface_is_what_we_mean():
         "ModelParallelStrategy",
         "MeshLayout",
         "MESH_AXES",
+        "HSDP_MESH_AXES",
+        "fsdp_kwargs",
+        "fsdp_mesh",
         "SUPPORTED_PRECISIONS",
         "clip_grad_norm",
         "clip_grad_value",
@@ -34,6 +37,7 @@ def test_public_surface_is_what_we_mean():
         "__version__",
     }
     assert modelpar.MESH_AXES == ("data_parallel", "tensor_parallel")
+    assert modelpar.HSDP_MESH_AXES == ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
 
 
 def test_invalid_sizes_are_rejected_at_construction():

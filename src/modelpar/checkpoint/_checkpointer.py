@@ -20,6 +20,7 @@ import copy
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,9 @@ def _sees(entry: Path) -> bool:
 class Checkpointer:
     """Saves and loads checkpoints for one run; collective: every rank calls the same methods in order."""
 
-    def __init__(self, *, async_save: bool = False) -> None:
+    def __init__(self, *, async_save: bool = False, timeout: timedelta | None = None) -> None:
         self.async_save = async_save
+        self.timeout = timeout  # of the background-save group (the strategy passes its own); None: torch's default
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
@@ -194,7 +196,7 @@ class Checkpointer:
     def _group(self) -> Any:
         """A gloo group for background writes: never shares a communicator with the training's collectives."""
         if self._async_group is None and dist.is_initialized():
-            self._async_group = dist.new_group(backend="gloo")
+            self._async_group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self._async_group
 
     def wait(self) -> None:

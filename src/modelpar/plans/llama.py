@@ -1,7 +1,8 @@
 """Tensor-parallel plan and FSDP2 wrapping for Llama-style models (torchtitan's module naming).
 
 Order: tensor parallelism on the ``tensor_parallel`` axis first, then ``fully_shard`` bottom-up (each
-block, then the root) on the ``data_parallel`` axis.
+block, then the root) with :func:`modelpar.fsdp_kwargs`: the data-parallel mesh (2-D replicate x shard
+under HSDP) and the strategy's FSDP2 policies (mixed precision, CPU offload, resharding).
 Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each block costs one
 all-reduce forward and one backward. The shapes are checked against the TP size before anything is
 sharded, so a bad combination fails with the numbers instead of a shape error deep in a forward pass.
@@ -24,6 +25,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from modelpar._fsdp import fsdp_kwargs
+
 __all__ = ["LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
 
 
@@ -31,13 +34,15 @@ __all__ = ["LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
 class LlamaParallelConfig:
     """Options for :func:`parallelize_llama`.
 
+    Each field left at ``None`` takes the strategy's option (see :func:`modelpar.fsdp_kwargs`); set, it wins.
+
     Attributes:
         reshard_after_forward: free gathered weights after forward (ZeRO-3); ``False`` keeps them until
             backward (ZeRO-2: more memory, one all-gather less per block).
         mp_policy: FSDP2 mixed precision (e.g. bf16 params/compute with fp32 gradient reduction).
     """
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
 
 
@@ -95,7 +100,7 @@ def parallelize_llama(
 ) -> nn.Module:
     """Apply TP (if the tensor-parallel axis has > 1 rank) then FSDP2 to a Llama-style ``model``; return it."""
     config = config or LlamaParallelConfig()
-    tp_mesh, dp_mesh = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
+    tp_mesh = device_mesh["tensor_parallel"]
     tp = tp_mesh.size()
     if tp > 1:
         _check_divisible(model, tp)
@@ -108,10 +113,13 @@ def parallelize_llama(
         model.get_submodule("output").register_forward_hook(_output_not_a_view)
         for block in model.layers:  # type: ignore[union-attr]
             parallelize_module(block, tp_mesh, llama_tp_plan())
-    fsdp_kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": config.reshard_after_forward}
+    overrides: dict[str, Any] = {}
+    if config.reshard_after_forward is not None:
+        overrides["reshard_after_forward"] = config.reshard_after_forward
     if config.mp_policy is not None:
-        fsdp_kwargs["mp_policy"] = config.mp_policy
+        overrides["mp_policy"] = config.mp_policy
+    kwargs = fsdp_kwargs(device_mesh, **overrides)
     for block in model.layers:  # type: ignore[union-attr]
-        fully_shard(block, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
