@@ -340,4 +340,3 @@ def _mesh_key(mesh: DeviceMesh) -> tuple[str, tuple[str, ...], tuple[int, ...], 
 def _describe(key: tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]) -> str:
     device_type, axes, shape, ranks = key
     return f"{'x'.join(map(str, shape))} {device_type} mesh {axes} over ranks {list(ranks)}"
-

@@ -7,7 +7,7 @@ in ``init_process_group`` or ``init_device_mesh`` while another has already fail
 Two shapes. Without replication (``data_parallel_replicate_size=1``, the default) the mesh is Lightning's 2-D
 ``("data_parallel", "tensor_parallel")``. With it, data parallelism splits into replicas of sharded groups
 (HSDP: shard within a node, replicate across nodes, so the per-layer all-gathers stay on fast links and only
-one gradient all-reduce per step crosses nodes) and the mesh is 3-D
+the gradient all-reduce, once per step and on shards, crosses nodes) and the mesh is 3-D
 ``("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")``, replicate outermost. Its two
 data-parallel axes are also flattened into a ``"data_parallel"`` axis, so samplers, ``sync_dist`` and user
 code that reduce over the whole data-parallel group work unchanged on both shapes.
@@ -197,22 +197,31 @@ class MeshLayout:
     def build(self, device_type: str, backend: str, timeout: timedelta) -> DeviceMesh:
         """Create the named ``DeviceMesh`` (and, for HSDP, its flattened ``"data_parallel"`` axis).
 
-        Needs the default process group to exist already. Every group the mesh creates gets ``timeout``:
-        left alone, ``init_device_mesh`` gives its sub-groups torch's default instead of the strategy's, so a
+        Needs the default process group to exist already. Every group the mesh creates gets ``timeout`` (with NCCL
+        and gloo): left alone, ``init_device_mesh`` gives its sub-groups torch's default instead of the strategy's, so a
         hang inside a tensor-parallel collective would outlast the timeout the user set.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        options: dict[int | str, Any] = {name: (backend, group_options(backend, timeout)) for name in self.axes}
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=options)
+        def override() -> Any:  # fresh options per axis: torch writes each group's name and ranks into them
+            options = group_options(backend, timeout)
+            return (backend, options) if options is not None else None
+
+        overrides: dict[int | str, Any] = {name: override() for name in self.axes}
+        by_axis: dict[int | str, Any] | None = overrides if all(overrides.values()) else None
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=by_axis)
         if self.hsdp:
             # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
-            mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=(backend, group_options(backend, timeout)))
+            mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=override())
         return mesh
 
 
 def group_options(backend: str, timeout: timedelta) -> Any:
-    """Backend options carrying ``timeout``, the only way ``init_device_mesh`` takes a timeout for its groups."""
+    """Backend options carrying ``timeout``, the only way ``init_device_mesh`` takes a timeout for its groups.
+
+    For NCCL and gloo; other backends (MPI, vendor plugins) have no options type torch exposes, so their mesh
+    groups keep torch's default timeout (``None`` here) while the default group still gets the strategy's.
+    """
     import torch.distributed as dist
 
     if backend == "nccl":
@@ -220,10 +229,7 @@ def group_options(backend: str, timeout: timedelta) -> Any:
     elif backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     else:
-        raise ValueError(
-            f"process_group_backend={backend!r}: the strategy can set the timeout of mesh groups for 'nccl' and"
-            " 'gloo' only. Use one of them."
-        )
+        return None
     options._timeout = timeout
     return options
 

@@ -110,13 +110,18 @@ def case_no_backward_sync_accumulates_and_restores(dp: int, tp: int, world_size:
 
 
 def case_meta_init_materializes_consistently(dp: int, tp: int, world_size: int, num_nodes: int = 1) -> dict[str, Any]:
-    """`fabric.init_module(empty_init=True)` + setup: nothing on meta, one coherent model on every rank."""
+    """`fabric.init_module(empty_init=True)` + setup: nothing on meta, each rank's slice of the one-process model."""
     fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
+    torch.manual_seed(0)
     with fabric.init_module(empty_init=True):
         model = Llama(CFG)
     assert all(p.is_meta for p in model.parameters())
     model = fabric.setup_module(model)
+    from test_meta_init_on_cpu import check_local_shards
+
     from parity import full
+
+    check_local_shards(model, reference_model(0))  # each rank's shard is its slice of the one-process model
 
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     ref_rope = reference_model().rope

@@ -94,9 +94,9 @@ def recorded(fn: Any) -> tuple[Any, list[str]]:
     return result, [str(w.message) for w in caught]
 
 
-def case_fabric_layout(dp: int, tp: int) -> dict[str, Any]:
+def case_fabric_layout(dp: int, tp: int, world_size: int = 4, replicate: int = 1) -> dict[str, Any]:
     """Meta init through Fabric equals the reference shard by shard; logits take in-place ops; grads match."""
-    fabric = make_fabric(dp, tp, world_size=4)
+    fabric = make_fabric(dp, tp, world_size=world_size, data_parallel_replicate_size=replicate)
     torch.manual_seed(0)  # the seed reference_model(0) uses, on every rank
     with fabric.init_module(empty_init=True):
         model = Llama(CFG)
@@ -180,6 +180,8 @@ def grid() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for dp, tp in ((2, 2), (1, 4), (4, 1)):
         out[f"fabric {dp}x{tp}"] = case_fabric_layout(dp, tp)
+    for dp, tp in ((4, 1), (2, 2)):  # through the strategy: HSDP 2x2x1 and 2x1x2
+        out[f"fabric hsdp 2x{dp // 2}x{tp}"] = case_fabric_layout(dp, tp, replicate=2)
     for shape in ((2, 2, 1), (2, 1, 2)):
         out["hsdp " + "x".join(map(str, shape))] = {"placements": case_hsdp_layout(shape)}
     out["root init_weights 2x1x2"] = {"placements": case_hsdp_layout((2, 1, 2), model_cls=HookedLlama)}
