@@ -5,6 +5,12 @@ Runs on 4 CPU processes (gloo) by default, or on GPUs with ``--accelerator cuda`
     python examples/fabric/train_llama.py            # train, checkpoint at --save-at, finish
     python examples/fabric/train_llama.py --resume   # load that checkpoint, continue, compare losses
 
+``--replicate N`` (``data_parallel_replicate_size``, default 1) splits the data-parallel ranks into N
+replicas that each shard the model over the rest (HSDP, a 3-D mesh); N must divide ``--data-parallel``,
+which stays the whole data-parallel size. HSDP on the 4 processes, two replicas of two shards, no TP::
+
+    python examples/fabric/train_llama.py --data-parallel 4 --tensor-parallel 1 --replicate 2
+
 The first run records its loss per step next to the checkpoint; the resumed run continues from the
 saved step with the same data and reports whether it reproduces those losses.
 """
@@ -42,6 +48,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--data-parallel", type=int, default=2)
     parser.add_argument("--tensor-parallel", type=int, default=2)
+    parser.add_argument(
+        "--replicate", type=int, default=1, help="HSDP replicas (data_parallel_replicate_size); 1: plain FSDP"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--save-at", type=int, default=5, help="step after which the checkpoint is written")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over data-parallel ranks")
@@ -50,7 +59,9 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
 
-    strategy = ModelParallelStrategy(parallelize_llama, args.data_parallel, args.tensor_parallel)
+    strategy = ModelParallelStrategy(
+        parallelize_llama, args.data_parallel, args.tensor_parallel, data_parallel_replicate_size=args.replicate
+    )
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(42)
