@@ -180,6 +180,21 @@ def case_policies_observed() -> dict[str, Any]:
     return out
 
 
+def case_cpu_offload_trains_like_one_process() -> float:
+    """With ``cpu_offload=True`` on HSDP, two AdamW steps still equal the single-process run (gloo, CPU)."""
+    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, data_parallel_replicate_size=2, cpu_offload=True)
+    model, optimizer, ref, ref_opt = setup_pair(fabric)
+    for x, y in global_batches(2):
+        fabric.backward(lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y)))
+        lm_loss(ref(x), y).backward()
+        optimizer.step()
+        ref_opt.step()
+        optimizer.zero_grad()
+        ref_opt.zero_grad()
+    assert bool(_fsdp_groups(model.module.layers[0])[0].fsdp_params[0].offload_to_cpu)
+    return assert_matches(model, ref, "param")
+
+
 def case_misuse_fails_on_every_rank() -> dict[str, str]:
     """Plain FSDP where HSDP was asked, and explicit options a parallelize_fn ignores, raise the fix."""
     out = {}
@@ -214,6 +229,7 @@ def grid() -> dict[str, Any]:
             for dp, tp, r in ((4, 1, 2), (4, 1, 1))
         },
         "policies": case_policies_observed(),
+        "offload": case_cpu_offload_trains_like_one_process(),
         "misuse": case_misuse_fails_on_every_rank(),
         "timeouts": case_every_group_gets_the_timeout(),
     }
