@@ -80,6 +80,10 @@ _FULL_SIZE_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
     [getattr(torch.Tensor, name) for name in _RANDOM_TENSOR_METHODS]
     + [getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
 )
+#: The same initializers recognised by name: libraries swap ``torch.nn.init``'s functions for guarded wrappers of
+#: the same name while they initialize (Hugging Face's ``guard_torch_init_functions``), and ``nn.init``'s own
+#: dispatch then hands the mode the wrapper, whose inner calls the mode (popped while it runs) would not see.
+_FULL_SIZE_NAMES = frozenset(name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_"))
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -188,7 +192,7 @@ class _FullSizeInit(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if func in _FULL_SIZE_FUNCTIONS:
+        if func in _FULL_SIZE_FUNCTIONS or getattr(func, "__name__", None) in _FULL_SIZE_NAMES:
             in_args = bool(args) and isinstance(args[0], DTensor)
             target = args[0] if in_args else kwargs.get("tensor")
             if isinstance(target, DTensor) and not target.is_meta:

@@ -161,6 +161,41 @@ def case_hsdp_layout(shape: tuple[int, int, int], seed: int = 0, model_cls: type
     return check_local_shards(model, model_cls(CFG))
 
 
+def _hf_shard(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """FSDP over all four ranks: the HF model's own init (root ``init_weights``) then reaches other modules' DTensors."""
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=device_mesh["data_parallel"])
+    fully_shard(model, mesh=device_mesh["data_parallel"])
+    return model
+
+
+def case_hugging_face_init_weights() -> dict[str, Any]:
+    """A Hugging Face model's ``init_weights`` (guarded ``nn.init`` wrappers) gives each rank its slice of one process."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    fabric = make_fabric(4, 1, world_size=4, parallelize_fn=_hf_shard)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_config(config)
+    model, messages = recorded(lambda: fabric.setup_module(model))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(config)
+    materialize_module(ref, CPU)  # one process, plain tensors: the same hooks in the same order
+    check_local_shards(model, ref)
+    std = float(ref.model.layers[0].self_attn.q_proj.weight.std())
+    assert abs(std - config.initializer_range) < 0.005, f"HF's normal(0, 0.02) init did not run: std {std}"
+    return {"messages": messages}
+
+
 def case_ranks_seeded_differently(rank: int) -> dict[str, Any]:
     """Unseeded ranks still build one model: rank 0's, and each rank's own stream is left as it was."""
     fabric = make_fabric(2, 2, world_size=4)
@@ -186,6 +221,7 @@ def grid() -> dict[str, Any]:
         out["hsdp " + "x".join(map(str, shape))] = {"placements": case_hsdp_layout(shape)}
     out["root init_weights 2x1x2"] = {"placements": case_hsdp_layout((2, 1, 2), model_cls=HookedLlama)}
     out["seeded differently"] = case_ranks_seeded_differently(dist.get_rank())
+    out["hugging face"] = case_hugging_face_init_weights()
     return out
 
 
