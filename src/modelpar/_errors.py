@@ -19,6 +19,7 @@ __all__ = [
     "CorruptCheckpointError",
     "MeshSizeError",
     "UnsupportedReduceOpError",
+    "UnsupportedStyleError",
     "WeightsOnlyError",
 ]
 
@@ -82,4 +83,12 @@ class UnsupportedReduceOpError(ValueError, AttributeError):
 
     ``ValueError``: a bad argument value. ``AttributeError``: what Lightning's strategies raise for it
     (``getattr(ReduceOp, name.upper())`` in ``_sync_ddp``).
+    """
+
+
+class UnsupportedStyleError(TypeError, NotImplementedError):
+    """A tensor-parallel style given a module of a kind it cannot shard (``"colwise"`` on a norm, say).
+
+    ``TypeError``: the module has the wrong type for the style. ``NotImplementedError``: what torch's
+    ``ColwiseParallel`` and ``RowwiseParallel`` raise for a module other than ``nn.Linear`` or ``nn.Embedding``.
     """

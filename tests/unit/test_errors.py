@@ -33,6 +33,7 @@ from modelpar import (
     MeshSizeError,
     ModelParallelStrategy,
     UnsupportedReduceOpError,
+    UnsupportedStyleError,
     WeightsOnlyError,
 )
 from modelpar.checkpoint import Checkpointer, load_state, save_state
@@ -48,6 +49,7 @@ HIERARCHY = [
     (CorruptCheckpointError, (ValueError, RuntimeError)),
     (WeightsOnlyError, (ValueError, pickle.UnpicklingError)),
     (UnsupportedReduceOpError, (ValueError, AttributeError)),
+    (UnsupportedStyleError, (TypeError, NotImplementedError)),
 ]
 
 

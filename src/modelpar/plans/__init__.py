@@ -1,5 +1,26 @@
-"""Ready-made ``parallelize_fn``s, one module per model family; pass one to ``ModelParallelStrategy``."""
+"""Parallelization plans: :class:`ParallelPlan` (declarative, one per model family) and the ready-made ones.
 
-from modelpar.plans.llama import LlamaParallelConfig, llama_tp_plan, parallelize_llama
+A plan is a ``parallelize_fn``: pass one to ``ModelParallelStrategy``. :func:`loss_parallel` goes around the
+loss and backward in the training step when a plan keeps the logits vocab-sharded. See ``docs/plans.md``.
+"""
 
-__all__ = ["LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
+from modelpar._errors import UnsupportedStyleError
+from modelpar.plans._loss import loss_parallel
+from modelpar.plans._plan import ActivationCheckpointing, ParallelPlan
+from modelpar.plans._styles import STYLES
+from modelpar.plans.llama import LLAMA_PLAN, LlamaParallelConfig, llama_tp_plan, parallelize_llama
+
+#: The style names a :class:`ParallelPlan` understands.
+STYLE_NAMES: tuple[str, ...] = tuple(STYLES)
+
+__all__ = [
+    "LLAMA_PLAN",
+    "STYLE_NAMES",
+    "ActivationCheckpointing",
+    "LlamaParallelConfig",
+    "ParallelPlan",
+    "UnsupportedStyleError",
+    "llama_tp_plan",
+    "loss_parallel",
+    "parallelize_llama",
+]

@@ -1,33 +1,47 @@
-"""Tensor-parallel plan and FSDP2 wrapping for Llama-style models (torchtitan's module naming).
+"""The plan for Llama-style models (torchtitan's module naming): :data:`LLAMA_PLAN` and :func:`parallelize_llama`.
 
-Order: tensor parallelism on the ``tensor_parallel`` axis first, then ``fully_shard`` bottom-up (each
-block, then the root) with :func:`modelpar.fsdp_kwargs`: the data-parallel mesh (2-D replicate x shard
-under HSDP) and the strategy's FSDP2 policies (mixed precision, CPU offload, resharding).
 Attention and MLP are split Megatron-style: column-parallel in, row-parallel out, so each block costs one
-all-reduce forward and one backward. The shapes are checked against the TP size before anything is
-sharded, so a bad combination fails with the numbers instead of a shape error deep in a forward pass.
-
-The output projection gathers the logits and hands them out as a plain tensor. ``DTensor.to_local()``
-returns that tensor as a view, and a view returned by an FSDP2 module makes torch warn that an in-place op
-on it would skip the module's backward all-gather; the plan returns the logits as a fresh tensor over the
-same storage instead (no copy, same values), so in-place ops on them are safe and nothing warns.
+all-reduce forward and one backward (with sequence parallelism: an all-gather and a reduce-scatter each, on
+sequence shards, and the norms run on ``seq / tp`` tokens). The token embedding is vocab-parallel, the LM
+head column-parallel with gathered logits, or vocab-sharded ones under loss parallelism. Each block is an FSDP
+unit, the root is sharded last. The shapes are checked against the TP size before anything is sharded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from modelpar._fsdp import fsdp_kwargs
+from modelpar.plans._plan import ParallelPlan
 
-__all__ = ["LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
+__all__ = ["LLAMA_PLAN", "LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
+
+#: ``modelpar.models.Llama`` and models named like it (torchtitan's ``tok_embeddings``, ``layers.*.attention.wq``
+#: ...). Defaults: tensor parallelism without sequence or loss parallelism, blocks as FSDP units, no activation
+#: checkpointing, no compile; toggle with ``LLAMA_PLAN.replace(sequence_parallel=True, ...)``.
+LLAMA_PLAN = ParallelPlan(
+    tensor_parallel={
+        "tok_embeddings": "embedding",
+        "layers.*.attention_norm": "norm",
+        "layers.*.attention": "sequence_gather",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.ffn_norm": "norm",
+        "layers.*.feed_forward": "sequence_gather",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "norm": "norm",
+        "output": "output",
+    },
+    fsdp_units=("layers.*",),
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,11 @@ class LlamaParallelConfig:
 
 
 def llama_tp_plan() -> dict[str, ParallelStyle]:
-    """The per-block plan, as a readable dict of submodule name -> parallel style."""
+    """One block's plan (without sequence parallelism), as torch styles: submodule name -> parallel style.
+
+    For ``parallelize_module(block, device_mesh["tensor_parallel"], llama_tp_plan())`` in a hand-written
+    ``parallelize_fn``; :data:`LLAMA_PLAN` is the whole-model plan.
+    """
     return {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -59,67 +77,14 @@ def llama_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-class _NotAView(torch.autograd.Function):
-    """Identity whose output shares the input's storage but is not a view of it: no copy, no view."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.detach()  # a new tensor over the same storage and version counter, without ``_base``
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _output_not_a_view(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    result: torch.Tensor = _NotAView.apply(output)
-    return result
-
-
-def _check_divisible(model: nn.Module, tp: int) -> None:
-    cfg: Any = getattr(model, "config", None)
-    if cfg is None:
-        return
-    checks = {
-        "n_heads": cfg.n_heads,
-        "n_kv_heads": cfg.n_kv_heads,
-        "ffn_hidden": cfg.ffn_hidden,
-        "vocab_size": cfg.vocab_size,
-    }
-    bad = {name: value for name, value in checks.items() if value % tp}
-    if bad:
-        shown = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ValueError(
-            f"tensor_parallel_size={tp} must divide the model's {', '.join(bad)}, but {shown}."
-            f" Choose a tensor-parallel size that divides them, or change the model."
-        )
-
-
 def parallelize_llama(
     model: nn.Module, device_mesh: DeviceMesh, config: LlamaParallelConfig | None = None
 ) -> nn.Module:
-    """Apply TP (if the tensor-parallel axis has > 1 rank) then FSDP2 to a Llama-style ``model``; return it."""
-    config = config or LlamaParallelConfig()
-    tp_mesh = device_mesh["tensor_parallel"]
-    tp = tp_mesh.size()
-    if tp > 1:
-        _check_divisible(model, tp)
-        top_plan: dict[str, ParallelStyle] = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        }
-        parallelize_module(model, tp_mesh, top_plan)
-        # Runs after the style's own hook, on the local logits that ``to_local()`` returned as a view.
-        model.get_submodule("output").register_forward_hook(_output_not_a_view)
-        for block in model.layers:  # type: ignore[union-attr]
-            parallelize_module(block, tp_mesh, llama_tp_plan())
-    overrides: dict[str, Any] = {}
-    if config.reshard_after_forward is not None:
-        overrides["reshard_after_forward"] = config.reshard_after_forward
-    if config.mp_policy is not None:
-        overrides["mp_policy"] = config.mp_policy
-    kwargs = fsdp_kwargs(device_mesh, **overrides)
-    for block in model.layers:  # type: ignore[union-attr]
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    """Apply :data:`LLAMA_PLAN` (TP if the tensor-parallel axis has > 1 rank, then FSDP2) to ``model``; return it.
+
+    ``config``'s fields that are set override the strategy's FSDP2 options, as ``LLAMA_PLAN.replace(...)`` would.
+    """
+    plan = LLAMA_PLAN
+    if config is not None:
+        plan = plan.replace(reshard_after_forward=config.reshard_after_forward, mp_policy=config.mp_policy)
+    return plan(model, device_mesh)

@@ -1,0 +1,150 @@
+"""Pre-flight checks of a :class:`~modelpar.plans.ParallelPlan` against a model, before anything is sharded.
+
+They read only module names, types, shapes and the model's config, so they work on a meta-device model with
+no process group, and every rank reaches the same verdict before any collective. Each error names the
+submodule, the values and the fix, instead of a shape error deep in a forward pass (or, worse, an uneven
+split that runs and computes the wrong thing).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Iterable, Mapping
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from modelpar._errors import UnsupportedStyleError
+from modelpar.plans._styles import COLUMN_STYLES, STYLES, StyleSpec, sharded_dims
+
+__all__ = ["HEAD_COUNT_ATTRIBUTES", "check_divisible", "matches", "resolve_styles", "resolve_units"]
+
+#: Config attributes that count attention heads (torchtitan / this package, Hugging Face); TP splits heads.
+HEAD_COUNT_ATTRIBUTES = ("n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
+
+
+def matches(pattern: str, name: str) -> bool:
+    """``fnmatch`` per dot-separated segment: ``layers.*.attention.wq`` matches ``layers.3.attention.wq`` only.
+
+    A ``*`` never crosses a dot, so ``layers.*`` names the blocks and not everything inside them.
+    """
+    pattern_parts, name_parts = pattern.split("."), name.split(".")
+    return len(pattern_parts) == len(name_parts) and all(map(fnmatchcase, name_parts, pattern_parts))
+
+
+def _submodules(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules() if name}  # the root has no name to match
+
+
+def _no_match(field: str, pattern: str, model: nn.Module, names: Iterable[str]) -> ValueError:
+    generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names})
+    close = difflib.get_close_matches(pattern, generic, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    shown = ", ".join(repr(n) for n in generic[:8]) + (", ..." if len(generic) > 8 else "")
+    return ValueError(
+        f"ParallelPlan.{field}: the pattern {pattern!r} matches no submodule of {type(model).__name__}.{hint}"
+        f" Patterns match module names segment by segment ('*' stands for one segment); this model has {shown}."
+        " Fix the pattern or remove it."
+    )
+
+
+def resolve_styles(
+    model: nn.Module, tensor_parallel: Mapping[str, StyleSpec], *, sequence_parallel: bool
+) -> dict[str, StyleSpec]:
+    """Submodule name -> its style; raise for a pattern matching nothing, two styles, or a style of another kind."""
+    modules = _submodules(model)
+    styles: dict[str, StyleSpec] = {}
+    source: dict[str, str] = {}
+    for pattern, style in tensor_parallel.items():
+        found = [name for name in modules if matches(pattern, name)]
+        if not found:
+            raise _no_match("tensor_parallel", pattern, model, modules)
+        for name in found:
+            if name in styles:
+                raise ValueError(
+                    f"ParallelPlan.tensor_parallel: {name!r} gets two styles, {_show(styles[name])} from"
+                    f" {source[name]!r} and {_show(style)} from {pattern!r}. Give each submodule one pattern."
+                )
+            styles[name], source[name] = style, pattern
+    for name, style in styles.items():
+        kinds = STYLES.get(style, ()) if isinstance(style, str) else ()
+        if kinds and not isinstance(modules[name], kinds):
+            raise UnsupportedStyleError(
+                f"ParallelPlan.tensor_parallel: style {style!r} shards {' or '.join(f'nn.{k.__name__}' for k in kinds)}"
+                f" modules, but {name!r} (from {source[name]!r}) is `{type(modules[name]).__name__}`. Point the pattern"
+                " at its parallelizable children, or use 'sequence_gather' / 'norm' for a container or a norm."
+            )
+    if sequence_parallel:
+        gathered = [name for name, style in styles.items() if style == "sequence_gather"]
+        for name, style in styles.items():
+            if style in COLUMN_STYLES and not any(name.startswith(g + ".") for g in gathered):
+                parent = source[name].rpartition(".")[0] or "<the module that calls it>"
+                raise ValueError(
+                    f"ParallelPlan(sequence_parallel=True): {name!r} (style {style!r}) would receive the"
+                    " sequence-sharded residual stream, but no enclosing module gathers it first. Add"
+                    f" {{{parent!r}: 'sequence_gather'}} to tensor_parallel (one all-gather for all the projections"
+                    " inside), or turn sequence parallelism off."
+                )
+    return styles
+
+
+def resolve_units(model: nn.Module, fsdp_units: Iterable[str]) -> list[str]:
+    """Names of the FSDP units, in the model's module order; raise for a pattern matching nothing."""
+    modules = _submodules(model)
+    chosen: set[str] = set()
+    for pattern in fsdp_units:
+        found = {name for name in modules if matches(pattern, name)}
+        if not found:
+            raise _no_match("fsdp_units", pattern, model, modules)
+        chosen |= found
+    return [name for name in modules if name in chosen]
+
+
+def _head_counts(model: nn.Module) -> list[tuple[str, int]]:
+    config = getattr(model, "config", None)
+    counts = []
+    for attribute in HEAD_COUNT_ATTRIBUTES:
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            counts.append((attribute, value))
+    return counts
+
+
+def check_divisible(model: nn.Module, styles: Mapping[str, StyleSpec], tensor_parallel_size: int) -> None:
+    """Every dimension a style splits, and the config's head counts, must divide by the TP size."""
+    if tensor_parallel_size <= 1 or not styles:
+        return
+    modules = _submodules(model)
+    sizes: list[int] = []
+    bad: dict[tuple[str, str, int], list[str]] = {}  # (what, attribute, size) -> submodules, to group the blocks
+    for name, style in styles.items():
+        for attribute, size in sharded_dims(modules[name], style):
+            sizes.append(size)
+            if size % tensor_parallel_size:
+                generic = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+                bad.setdefault((f"{generic!r} {attribute}", f" (style {_show(style)})", size), []).append(name)
+    for attribute, size in _head_counts(model):
+        sizes.append(size)
+        if size % tensor_parallel_size:
+            bad.setdefault((f"config.{attribute}", " (heads)", size), [])
+    if not bad:
+        return
+    shown = [f"{what}={size}{why}" for (what, why, size) in bad]
+    problems = "; ".join(shown[:4]) + (f"; and {len(shown) - 4} more" if len(shown) > 4 else "")
+    common = math.gcd(*sizes)
+    valid = [d for d in range(1, common + 1) if common % d == 0]
+    fix = (
+        f"Choose a tensor_parallel_size that divides them all ({', '.join(map(str, valid))}), or change the model."
+        if len(valid) > 1
+        else "Only 1 divides them all: turn tensor parallelism off (tensor_parallel_size=1) or change the model."
+    )
+    raise ValueError(
+        f"tensor_parallel_size={tensor_parallel_size} must divide every dimension the plan splits across the"
+        f" tensor-parallel ranks, but it does not divide {problems}. {fix}"
+    )
+
+
+def _show(style: StyleSpec) -> str:
+    return repr(style) if isinstance(style, str) else type(style).__name__
