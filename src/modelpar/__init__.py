@@ -15,8 +15,10 @@ from modelpar._errors import (
     CorruptCheckpointError,
     MeshSizeError,
     UnsupportedReduceOpError,
+    UnsupportedStyleError,
     WeightsOnlyError,
 )
+from modelpar._estimate import MemoryEstimate, estimate_memory
 from modelpar._fsdp import fsdp_kwargs
 from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, fsdp_mesh
 from modelpar._precision import SUPPORTED_PRECISIONS
@@ -31,6 +33,8 @@ __all__ = [
     "HSDP_MESH_AXES",
     "fsdp_kwargs",
     "fsdp_mesh",
+    "estimate_memory",
+    "MemoryEstimate",
     "SUPPORTED_PRECISIONS",
     "clip_grad_norm",
     "clip_grad_value",
@@ -41,5 +45,6 @@ __all__ = [
     "CorruptCheckpointError",
     "WeightsOnlyError",
     "UnsupportedReduceOpError",
+    "UnsupportedStyleError",
     "__version__",
 ]

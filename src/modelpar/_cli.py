@@ -1,4 +1,5 @@
-"""The ``modelpar`` command line: ``convert`` between checkpoint formats and ``inspect`` a checkpoint.
+"""The ``modelpar`` command line: ``convert`` between checkpoint formats (or to Hugging Face's) and ``inspect`` one.
+``estimate`` prints the per-rank memory of a model on a layout, computed without running it.
 
 The only place in the package that prints. Library errors become ``error: <message>`` and exit code 2,
 without a traceback: the messages already say what is wrong and how to fix it.
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from modelpar._errors import CheckpointKeyError
 
 __all__ = ["main"]
 
@@ -31,14 +34,24 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", type=Path, metavar="DST", help="where to write the converted checkpoint")
     convert.add_argument(
         "--to",
-        choices=["file", "distributed"],
-        help="target format (default: a folder converts to a file, a file to a folder)",
+        choices=["file", "distributed", "hf"],
+        help="target format (default: a folder converts to a file, a file to a folder); hf: a Hugging Face"
+        " pretrained folder from a distributed checkpoint folder (needs --config and the hf extra)",
     )
     convert.add_argument("--model-only", action="store_true", help="keep model weights only (--to file)")
     convert.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),
-        help="cast the model weights (--to file); optimizer state and other entries keep their saved dtypes",
+        help="cast the model weights (--to file, --to hf); optimizer state and other entries keep their saved dtypes",
+    )
+    convert.add_argument(
+        "--config", type=Path, metavar="CONFIG_DIR", help="the Hugging Face model's folder with config.json (--to hf)"
+    )
+    convert.add_argument(
+        "--key", default="model", help="the checkpoint entry holding the model (--to hf; default: model)"
+    )
+    convert.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (--to hf; default: 5GB)"
     )
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     convert.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
@@ -55,7 +68,51 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="unpickle any object the checkpoint holds (weights_only=False); only for checkpoints you trust",
     )
+    _estimate_parser(commands)
     return parser
+
+
+def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from modelpar._estimate import OPTIMIZER_STATES
+    from modelpar._precision import SUPPORTED_PRECISIONS
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="per-rank memory of a model on a layout (parameters, gradients, optimizer states)",
+        description="Estimate the memory per rank of a model's state under a parallel plan, from its config alone"
+        " (the model is built on the meta device; no process group).",
+    )
+    model = estimate.add_mutually_exclusive_group(required=True)
+    model.add_argument("--llama", metavar="JSON", help="modelpar.models.LlamaConfig fields, e.g. '{\"dim\": 4096}'")
+    model.add_argument("--hf-config", type=Path, metavar="PATH", help="a Hugging Face model folder or its config.json")
+    estimate.add_argument("--dp", type=int, default=1, help="data_parallel_size (default: 1)")
+    estimate.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default: 1)")
+    estimate.add_argument("--replicate", type=int, default=1, help="data_parallel_replicate_size (default: 1)")
+    estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw", help="default: adamw")
+    estimate.add_argument("--precision", choices=SUPPORTED_PRECISIONS, default="32-true", help="default: 32-true")
+    estimate.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of the sharded state")
+    estimate.add_argument(
+        "--accumulation", choices=["sharded", "unsharded"], default="sharded", help="default: sharded"
+    )
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    from modelpar._estimate import estimate_memory, hf_on_meta, llama_on_meta
+
+    model, plan = llama_on_meta(args.llama) if args.llama is not None else hf_on_meta(args.hf_config)
+    print(
+        estimate_memory(
+            model,
+            plan=plan,
+            data_parallel_size=args.dp,
+            tensor_parallel_size=args.tp,
+            data_parallel_replicate_size=args.replicate,
+            optimizer=args.optimizer,
+            precision=args.precision,
+            cpu_offload=args.cpu_offload,
+            gradient_accumulation=args.accumulation,
+        )
+    )
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -64,6 +121,27 @@ def _convert(args: argparse.Namespace) -> None:
     from modelpar.checkpoint._io import detect
 
     target = args.to or ("file" if detect(args.src) is CheckpointFormat.DISTRIBUTED else "distributed")
+    if (target == "hf") != (args.config is not None):
+        args.subparser.error("--to hf needs --config CONFIG_DIR, which applies to --to hf only")
+    if target != "hf" and (args.key != "model" or args.max_shard_size != "5GB"):
+        args.subparser.error("--key and --max-shard-size apply to --to hf only")
+    if target == "hf":
+        if args.model_only:
+            args.subparser.error("--model-only applies to --to file only (--to hf writes the model weights only)")
+        from modelpar.hf import export_checkpoint
+
+        export_checkpoint(
+            args.src,
+            args.dst,
+            config=args.config,
+            key=args.key,
+            max_shard_size=int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size,
+            dtype=_DTYPES[args.dtype] if args.dtype else None,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            weights_only=not args.trust,
+        )
+        return
     if target == "distributed":
         if args.model_only or args.dtype:
             args.subparser.error("--model-only and --dtype apply when converting to a file (--to file) only")
@@ -89,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             _convert(args)
+        elif args.command == "estimate":
+            _estimate(args)
         else:
             from modelpar.checkpoint._inspect import describe_checkpoint
 
@@ -96,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `modelpar inspect big | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as the Python docs advise
         return 1
-    except (OSError, ValueError, TypeError) as err:
+    except (OSError, ValueError, TypeError, ImportError, CheckpointKeyError) as err:
         from modelpar._errors import WeightsOnlyError
 
         hint = " On the command line, `--trust` is `weights_only=False`." if isinstance(err, WeightsOnlyError) else ""

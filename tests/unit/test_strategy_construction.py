@@ -24,6 +24,8 @@ def test_public_surface_is_what_we_mean():
         "HSDP_MESH_AXES",
         "fsdp_kwargs",
         "fsdp_mesh",
+        "estimate_memory",
+        "MemoryEstimate",
         "SUPPORTED_PRECISIONS",
         "clip_grad_norm",
         "clip_grad_value",
@@ -34,6 +36,7 @@ def test_public_surface_is_what_we_mean():
         "CorruptCheckpointError",
         "WeightsOnlyError",
         "UnsupportedReduceOpError",
+        "UnsupportedStyleError",
         "__version__",
     }
     assert modelpar.MESH_AXES == ("data_parallel", "tensor_parallel")

@@ -26,7 +26,7 @@ from modelpar._errors import CheckpointKeyError, CheckpointShapeError
 from modelpar.checkpoint._names import clean_name, named_parameters_clean
 from modelpar.checkpoint._rekey import optimizer_state_to_names
 
-__all__ = ["check_shapes", "load_full_model_state", "load_full_optimizer_state"]
+__all__ = ["check_shapes", "load_full_model_state", "load_full_optimizer_state", "shard_block"]
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -78,6 +78,24 @@ def _local_block(
         offset, length = _chunk(length, mesh_sizes[axis], coordinate[axis])
         block[dim] = (start + offset, length)
     return block
+
+
+def shard_block(like: torch.Tensor) -> list[tuple[int, int]] | None:
+    """(start, length) per dim of the block of the full tensor that this rank holds of ``like``.
+
+    The whole tensor for a plain tensor; for a DTensor, the block :func:`_local_block` computes (exactly
+    FSDP2's layout, ``_StridedShard`` included), or ``None`` where it does not cut the placements or this
+    rank is outside the mesh. For readers that fetch a block from storage themselves (a safetensors slice)
+    instead of cutting a mapped tensor as :func:`load_full_model_state` does; the block's size must still
+    be checked against ``like.to_local().shape``.
+    """
+    if not isinstance(like, DTensor):
+        return [(0, size) for size in like.shape]
+    mesh = like.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    return _local_block(like.shape, coordinate, [mesh.size(axis) for axis in range(mesh.ndim)], like.placements)
 
 
 def _local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

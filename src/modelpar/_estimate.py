@@ -1,0 +1,379 @@
+"""Per-rank memory of a layout, computed from a :class:`~modelpar.plans.ParallelPlan` before anything runs.
+
+:func:`estimate_memory` reads only the names, shapes and dtypes of a model (built on the meta device, so it
+costs no memory) and the plan's data: which dimension each tensor-parallel style splits, which submodules are
+FSDP units. It then shards dim 0 of every parameter over the FSDP shard group exactly as ``fully_shard`` does
+(padded chunks of ``ceil(dim0 / shard)`` rows, the same allocation on every rank) and adds up parameters,
+gradients, optimizer states and the largest unit while it is all-gathered. No process group, no device.
+
+A plain ``parallelize_fn`` is code, not data: what it does is known only by running it, so it is refused.
+Activations, the CUDA caching allocator's slack, communication buffers and a prefetched second unit are
+not counted: the estimate is the floor the model state alone needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from modelpar._fsdp import FSDPOptions
+from modelpar._grad_sync import AccumulationMode, GradientSyncControl
+from modelpar._mesh import MeshLayout, check_size_arg
+from modelpar._precision import SUPPORTED_PRECISIONS
+from modelpar.plans._checks import resolve_styles, resolve_units
+from modelpar.plans._plan import ParallelPlan
+from modelpar.plans._styles import StyleSpec
+
+__all__ = ["OPTIMIZER_STATES", "MemoryEstimate", "estimate_memory", "hf_on_meta", "llama_on_meta"]
+
+#: Optimizer name -> parameter-shaped state tensors it keeps per parameter, in the parameter's dtype (torch's
+#: ``zeros_like(param)`` / ``clone(grad)``): Adam's two moments, SGD's momentum buffer, plain SGD none.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+
+#: Precisions whose parameters are stored in a lower dtype (Fabric's ``init_module`` creates them so).
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_COLUMN_NAMES = ("colwise", "colwise_gather", "output")
+_ROW_NAMES = ("rowwise", "embedding")
+_REPLICATING = (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
+_ROOT = "(root)"
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for the model state (the worst rank: FSDP2 pads every rank to the same shard).
+
+    ``parameters``, ``gradients`` and ``optimizer_states`` persist through training; ``gathered_unit`` (the
+    largest FSDP unit's parameters all-gathered in the compute dtype) and ``unit_gradients`` (its unsharded
+    gradients during its backward) are transient, one unit at a time. With ``cpu_offload`` the persistent,
+    sharded state lives on the host (``host``); ``device`` is the rest. ``str()`` gives a table.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    gathered_unit: int
+    unit_gradients: int
+    buffers: int
+    host: int
+    largest_unit: str
+    layout: MeshLayout
+    precision: str
+    optimizer: str
+    gradient_accumulation: AccumulationMode
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_states
+            + self.gathered_unit
+            + self.unit_gradients
+            + self.buffers
+        )
+
+    @property
+    def device(self) -> int:
+        return self.total - self.host
+
+    def __str__(self) -> str:
+        layout, offload = self.layout, self.host > 0
+        shard = layout.data_parallel_shard_size
+        replicas = f", {layout.data_parallel_replicate_size} replicas" if layout.hsdp else ""
+        grads = "unsharded (accumulation)" if self.gradient_accumulation == "unsharded" else "sharded"
+        p, c = _dtype(self.param_dtype), _dtype(self.compute_dtype)
+        rows = [
+            ("parameters", f"{p}, {shard}-way FSDP x {layout.tensor_parallel_size}-way TP", self.parameters, offload),
+            ("gradients", f"{p}, {grads}", self.gradients, offload and self.gradient_accumulation == "sharded"),
+            ("optimizer states", f"{self.optimizer}", self.optimizer_states, offload),
+            ("gathered unit", f"{self.largest_unit}, {c}", self.gathered_unit, False),
+            ("unit gradients", "during its backward", self.unit_gradients, False),
+            ("buffers", "replicated", self.buffers, False),
+        ]
+        head = (
+            f"Memory per rank: {layout.data_parallel_size} data-parallel (shard group {shard}{replicas}) x"
+            f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
+        )
+        lines = [head, f"{'':<18}{'':<34}{'device':>12}" + (f"{'host':>12}" if offload else "")]
+        for name, what, size, on_host in rows:
+            cells = ("", _human(size)) if on_host else (_human(size), "")
+            lines.append(f"{name:<18}{what:<34}{cells[0]:>12}" + (f"{cells[1]:>12}" if offload else ""))
+        lines.append(
+            f"{'total':<18}{'':<34}{_human(self.device):>12}" + (f"{_human(self.host):>12}" if offload else "")
+        )
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    plan: ParallelPlan,
+    data_parallel_size: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_replicate_size: int = 1,
+    optimizer: str | int = "adamw",
+    precision: str = "32-true",
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    gradient_accumulation: AccumulationMode = "sharded",
+) -> MemoryEstimate:
+    """Bytes per rank that ``plan`` on this layout needs for ``model``'s state, computed without running anything.
+
+    Build the model on the meta device (``with torch.device("meta"): model = Llama(cfg)``); only names, shapes
+    and dtypes are read. The arguments mean what the strategy's do; ``mixed_precision`` and ``precision``
+    resolve to FSDP2's policy as in the strategy (``"bf16-mixed"``: bf16 all-gathers), and the plan's own
+    ``mp_policy`` wins as when it runs. ``optimizer`` is one of :data:`OPTIMIZER_STATES` (``"adamw"``,
+    ``"adam"``: two states per parameter; ``"sgd-momentum"``: one; ``"sgd"``: none) or that count as an int;
+    states take the parameter's dtype, as torch allocates them (AdamW's scalar ``step`` is not counted).
+
+    Per parameter: the tensor-parallel style of its module splits a dim (column-parallel styles: ``Linear``
+    weight and bias dim 0; ``"rowwise"``: weight dim 1, bias replicated; ``"embedding"``: dim 0; ``"norm"``,
+    ``"sequence_gather"``: replicated; DTensor ``ColwiseParallel`` / ``RowwiseParallel`` as torch applies them;
+    any other ``ParallelStyle`` is counted unsplit, with a note), then FSDP shards dim 0 of what is left over
+    the shard group (``data_parallel_size / data_parallel_replicate_size``) in padded chunks. Parameters under
+    no FSDP unit belong to the root's. Tied parameters count once. ``gradient_accumulation="unsharded"`` keeps
+    unsharded gradients (model / tensor-parallel size) between micro-batches.
+
+    Raises ``TypeError`` for a ``plan`` that is not a ``ParallelPlan``, and what ``plan.check`` raises when the
+    plan does not fit the model at this tensor-parallel size.
+    """
+    if not isinstance(plan, ParallelPlan):
+        name = getattr(plan, "__name__", type(plan).__name__)
+        hint = " (for `parallelize_llama`, pass `modelpar.plans.LLAMA_PLAN`)" if name == "parallelize_llama" else ""
+        raise TypeError(
+            f"estimate_memory(plan=...) needs a `modelpar.plans.ParallelPlan`, but got {name!r}{hint}. A plain"
+            " `parallelize_fn` is code: what it shards is known only by running it on a process group. Describe the"
+            " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
+        )
+    layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size)
+    GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
+    states = _optimizer_states(optimizer)
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"`precision={precision!r}` is not supported. Choose one of: {', '.join(SUPPORTED_PRECISIONS)}."
+        )
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} is already parallelized (it has DTensor parameters). Estimate on a fresh model"
+            " built on the meta device: `with torch.device('meta'): model = MyModel(config)`."
+        )
+    tp, shard = layout.tensor_parallel_size, layout.data_parallel_shard_size
+    options = FSDPOptions.resolve(
+        mixed_precision=mixed_precision,
+        cpu_offload=bool(cpu_offload),  # pinning changes where, not how much
+        reshard_after_forward=None,
+        precision=precision,
+        device=torch.device("cpu"),
+        shard_size=shard,
+        strategy_name="estimate_memory",
+    )
+    policy = plan.mp_policy if plan.mp_policy is not None else options.mp_policy
+    plan.check(model, tp)
+    styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
+    units = resolve_units(model, plan.fsdp_units)
+    notes: set[str] = set()
+
+    true_dtype = _TRUE_DTYPES.get(precision)
+    sharded = unsharded_grads = optimizer_bytes = 0
+    gathered: dict[str, int] = {}
+    param_dtype = compute_dtype = torch.float32
+    for name, param in model.named_parameters():  # deduplicated: a tied parameter appears once
+        module_name, _, local_name = name.rpartition(".")
+        storage = true_dtype if true_dtype is not None and param.is_floating_point() else param.dtype
+        compute = policy.param_dtype if policy.param_dtype is not None and param.is_floating_point() else storage
+        param_dtype, compute_dtype = storage, compute
+        reduce = policy.reduce_dtype if policy.reduce_dtype is not None else compute
+        shape = list(param.shape)
+        style = styles.get(module_name)
+        if style is not None:
+            dim = _tp_dim(model.get_submodule(module_name), local_name, style, notes, module_name)
+            if dim is not None:
+                shape[dim] //= tp
+        rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+        chunk = math.ceil(rows / shard)
+        sharded += chunk * rest * storage.itemsize
+        optimizer_bytes += states * chunk * rest * storage.itemsize
+        unsharded_grads += rows * rest * reduce.itemsize
+        unit = _unit_of(module_name, units)
+        gathered[unit] = gathered.get(unit, 0) + chunk * shard * rest * compute.itemsize
+    largest = max(gathered, key=lambda u: gathered[u]) if gathered else _ROOT
+    unit_bytes = gathered.get(largest, 0)
+    grads = unsharded_grads if gradient_accumulation == "unsharded" else sharded
+    buffers = sum(
+        b.numel() * (true_dtype if true_dtype is not None and b.is_floating_point() else b.dtype).itemsize
+        for b in model.buffers()
+    )
+    host = 0
+    if cpu_offload:
+        host = sharded + optimizer_bytes + (grads if gradient_accumulation == "sharded" else 0)
+    return MemoryEstimate(
+        parameters=sharded,
+        gradients=grads,
+        optimizer_states=optimizer_bytes,
+        gathered_unit=unit_bytes,
+        unit_gradients=unit_bytes if gradient_accumulation == "sharded" else 0,
+        buffers=buffers,
+        host=host,
+        largest_unit=largest,
+        layout=layout,
+        precision=precision,
+        optimizer=f"{optimizer if isinstance(optimizer, str) else 'optimizer'}: {states} x {_dtype(param_dtype)}",
+        gradient_accumulation=gradient_accumulation,
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+        notes=tuple(sorted(notes)),
+    )
+
+
+def _layout(data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int) -> MeshLayout:
+    sizes = {
+        "data_parallel_size": data_parallel_size,
+        "tensor_parallel_size": tensor_parallel_size,
+        "data_parallel_replicate_size": data_parallel_replicate_size,
+    }
+    for name, value in sizes.items():
+        check_size_arg(name, value)
+        if isinstance(value, str):  # "auto", which check_size_arg lets through
+            raise ValueError(
+                f'estimate_memory({name}="auto"): an estimate has no cluster to resolve "auto" against. Pass the'
+                " size as an int."
+            )
+    world = data_parallel_size * tensor_parallel_size
+    return MeshLayout.resolve(
+        data_parallel_size,
+        tensor_parallel_size,
+        world_size=world,
+        num_nodes=1,
+        devices_per_node=world,
+        data_parallel_replicate_size=data_parallel_replicate_size,
+    )
+
+
+def _optimizer_states(optimizer: str | int) -> int:
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return optimizer
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATES:
+        return OPTIMIZER_STATES[optimizer.lower()]
+    raise ValueError(
+        f"`optimizer={optimizer!r}` is not an optimizer the estimate knows. Pass one of {list(OPTIMIZER_STATES)},"
+        " or the number of parameter-shaped state tensors your optimizer keeps per parameter (an int >= 0)."
+    )
+
+
+def _tp_dim(module: nn.Module, local_name: str, style: StyleSpec, notes: set[str], module_name: str) -> int | None:
+    """The dim of ``module.<local_name>`` that ``style`` splits across the tensor-parallel ranks, or ``None``."""
+    column = style in _COLUMN_NAMES or isinstance(style, ColwiseParallel)
+    row = style in _ROW_NAMES or isinstance(style, RowwiseParallel)
+    if isinstance(module, nn.Linear) and (column or row):
+        if local_name == "weight":
+            return 0 if column else 1
+        return 0 if column and local_name == "bias" else None
+    if isinstance(module, nn.Embedding) and (column or row) and local_name == "weight":
+        return 1 if column else 0
+    if isinstance(style, (str, *_REPLICATING)):
+        return None  # norm, sequence_gather: parameters replicated (or untouched) on the tensor-parallel ranks
+    notes.add(
+        f"{module_name!r}: {type(style).__name__} on {type(module).__name__} is counted unsplit (the estimate knows"
+        " ColwiseParallel, RowwiseParallel and SequenceParallel only)."
+    )
+    return None
+
+
+def _unit_of(module_name: str, units: list[str]) -> str:
+    """The deepest FSDP unit that holds ``module_name`` (``fully_shard`` bottom-up: inner units own theirs)."""
+    owners = [u for u in units if module_name == u or module_name.startswith(u + ".")]
+    return max(owners, key=len) if owners else _ROOT
+
+
+# ---------------------------------------------------------------------------------------------------
+# models on the meta device, for the command line
+# ---------------------------------------------------------------------------------------------------
+def llama_on_meta(config_json: str) -> tuple[nn.Module, ParallelPlan]:
+    """``modelpar.models.Llama`` on the meta device from ``LlamaConfig`` fields as JSON, with ``LLAMA_PLAN``."""
+    from modelpar.models import Llama, LlamaConfig
+    from modelpar.plans import LLAMA_PLAN
+
+    values = json.loads(config_json)
+    known = [f.name for f in fields(LlamaConfig)]
+    if not isinstance(values, dict) or set(values) - set(known):
+        unknown = sorted(set(values) - set(known)) if isinstance(values, dict) else values
+        raise ValueError(
+            f"--llama: {unknown!r} are not LlamaConfig fields. Pass a JSON object with some of {known}, e.g."
+            ' \'{"dim": 4096, "n_layers": 32}\'.'
+        )
+    with torch.device("meta"):
+        return Llama(LlamaConfig(**values)), LLAMA_PLAN
+
+
+def hf_on_meta(path: Path) -> tuple[nn.Module, ParallelPlan]:
+    """A Hugging Face causal LM from its ``config.json`` (or the folder holding it) on the meta device, and its plan."""
+    if not path.exists():
+        raise FileNotFoundError(f"--hf-config: {str(path)!r} does not exist. Pass a model folder or its config.json.")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:
+        raise ImportError("--hf-config needs transformers. Install the extra: pip install 'modelpar[hf]'") from err
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model, hf_plan(model)
+
+
+#: Hugging Face ``tp_plan`` styles -> ParallelPlan styles (``None``: parameters replicated, nothing to apply).
+_HF_STYLES: dict[str, str | None] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "embedding_rowwise": "embedding",
+    "sequence_parallel": "norm",
+    "replicated_with_grad_allreduce": None,
+}
+
+
+def hf_plan(model: nn.Module) -> ParallelPlan:
+    """A ParallelPlan from a Hugging Face model's ``tp_plan``; its ``_no_split_modules`` blocks are the FSDP units."""
+    tensor_parallel: dict[str, str] = {}
+    for pattern, hf_style in (getattr(model, "tp_plan", None) or {}).items():
+        if hf_style not in _HF_STYLES:
+            raise ValueError(
+                f"The Hugging Face tp_plan of {type(model).__name__} maps {pattern!r} to {hf_style!r}, a style the"
+                f" estimate cannot translate (it knows {list(_HF_STYLES)}). Estimate with tensor_parallel_size=1,"
+                " or pass a ParallelPlan written for this model to `modelpar.estimate_memory`."
+            )
+        style = _HF_STYLES[hf_style]
+        if style is not None:
+            tensor_parallel[pattern] = style
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    units = {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n, m in model.named_modules() if type(m).__name__ in blocks}
+    return ParallelPlan(tensor_parallel=tensor_parallel, fsdp_units=tuple(sorted(units)))

@@ -1,0 +1,147 @@
+"""Pretrained Hugging Face weights into a (sharded) model: each rank reads only its own block of each tensor.
+
+The safetensors files are memory-mapped (``safe_open``) on every rank. For each tensor the rank works out
+from its parameter's placements which block of the full tensor it holds (the logic of
+:mod:`modelpar.checkpoint._stream`, FSDP2's ``_StridedShard`` included), reads just that block
+(``get_slice(name)[...]``) and copies it into its local shard, cast to the model's dtype. No communication,
+no rank ever holds the whole model, and the extra memory stays near the largest tensor's shard.
+
+Names, shapes and tied weights are checked first, identically on every rank, so a mismatch raises on every
+rank before anything is modified. Buffers that are not in the files (rotary ``inv_freq``, which Hugging Face
+never saves) keep the values the model computed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from modelpar._errors import CheckpointKeyError
+from modelpar.checkpoint._stream import check_shapes, shard_block
+from modelpar.hf._files import file_keys
+from modelpar.hf._keys import ignored_unexpected, map_file_keys, model_tensors, unwrap
+
+__all__ = ["load_pretrained"]
+
+
+def load_pretrained(
+    model: Any, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, strict: bool = True
+) -> None:
+    """Load the pretrained weights in the folder ``path`` into ``model``, in place, on every rank.
+
+    ``model`` is a Hugging Face ``PreTrainedModel`` (or any module whose state-dict names are the files'),
+    sharded by the strategy (FSDP2 and/or tensor-parallel DTensors, e.g. built on the meta device and set up
+    with ``fabric.setup_module``), or plain on one process. ``path`` holds ``model.safetensors``, or sharded
+    ``model-0000x-of-0000y.safetensors`` files with ``model.safetensors.index.json``. Each rank reads only the
+    blocks it holds, from memory-mapped files: the extra memory per rank is about the largest tensor's shard.
+    Tied weights (``lm_head.weight`` with ``tie_word_embeddings``) may be absent from the files and stay tied.
+
+    Each tensor is cast to the dtype of the model's tensor it goes into (a bfloat16 file into a float32 model
+    gives float32 weights holding the bfloat16 values). ``dtype``, if given, is the floating-point dtype you
+    expect the model's weights to have: checked before anything is read, since a set-up model's dtype is fixed
+    (build it in that dtype, e.g. with Fabric's ``precision="bf16-true"``).
+
+    ``strict``: every tensor of the model must be in the files and every tensor of the files in the model
+    (:class:`~modelpar.CheckpointKeyError` otherwise); ``False`` loads the matching ones. Shapes must match
+    (:class:`~modelpar.CheckpointShapeError`). Both are checked on every rank before anything is modified.
+    Not collective: ranks never communicate, but every rank of a sharded model must call it.
+    """
+    module = unwrap(model)
+    where = f"the pretrained folder {str(Path(path))!r}"
+    located = file_keys(path)
+    ours = model_tensors(module)
+    if dtype is not None:
+        _check_dtype(ours.tensors, dtype)
+    ignored = ignored_unexpected(module)
+    to_model = map_file_keys(located, ours.tensors, getattr(module, "base_model_prefix", "") or "")
+    from_file = {model_name: file_name for file_name, model_name in to_model.items()}
+    unexpected = [
+        k for k, name in to_model.items() if name not in ours.tensors and not any(p.search(k) for p in ignored)
+    ]
+    # A tied tensor needs one of its names in the files; which one it is found under does not matter.
+    sources = {first: next((n for n in names if n in from_file), None) for first, names in ours.aliases.items()}
+    missing = [first for first, source in sources.items() if source is None]
+    if strict and (missing or unexpected):
+        raise CheckpointKeyError(
+            f"The weights in {where} do not match the model ({type(module).__name__}): {len(missing)} missing"
+            f" (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}). Build the model from"
+            " the folder's own config (`AutoConfig.from_pretrained(path)`), or pass `strict=False` to load the"
+            " matching tensors only."
+        )
+    # Separate tensors in the files for names the model ties (an untied model's folder into a tied model):
+    # one would be dropped. (Checkpoints that store a tied tensor twice load with `strict=False`.)
+    doubled = [names for names in ours.aliases.values() if sum(n in from_file for n in names) > 1]
+    if strict and doubled:
+        raise CheckpointKeyError(
+            f"The weights in {where} hold separate tensors for {doubled[0]}, which the model ties (one tensor), so"
+            " one of them would be dropped. Build the model from the folder's own config (for Llama-style models,"
+            " `tie_word_embeddings=False`), or pass `strict=False` to load the first of them into the tied tensor."
+        )
+    shapes = _file_shapes(located, {first: from_file[source] for first, source in sources.items() if source})
+    check_shapes({first: ours.tensors[first] for first in shapes}, shapes, where)
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for first, source in sources.items():
+        if source is not None:
+            file_name = from_file[source]
+            by_file.setdefault(located[file_name], []).append((file_name, first))
+    with torch.no_grad():
+        for file, pairs in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for file_name, first in pairs:
+                    _load_one(handle, file_name, ours.tensors[first])
+
+
+def _check_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"`dtype={dtype!r}` is not a floating-point torch dtype. Pass e.g. `torch.bfloat16`, or None.")
+    other = {name: t.dtype for name, t in tensors.items() if t.is_floating_point() and t.dtype != dtype}
+    if other:
+        example = next(iter(other.items()))
+        raise TypeError(
+            f"`dtype={dtype}` was given, but the model holds {len(other)} floating-point tensor(s) in other dtypes"
+            f" (e.g. {example[0]!r} in {example[1]}). `load_pretrained` fills the model's own tensors and cannot"
+            ' change their dtype: build the model in that dtype (Fabric\'s `precision="bf16-true"` for bfloat16),'
+            " or leave `dtype` out to cast the weights to the model's dtypes."
+        )
+
+
+def _file_shapes(located: dict[str, Path], wanted: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """The saved shape of each wanted tensor (model name -> file name), from the files' headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for model_name, file_name in wanted.items():
+        by_file.setdefault(located[file_name], []).append((model_name, file_name))
+    for file, pairs in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for model_name, file_name in pairs:
+                shapes[model_name] = tuple(handle.get_slice(file_name).get_shape())
+    return shapes
+
+
+def _load_one(handle: Any, name: str, target: torch.Tensor) -> None:
+    """Read this rank's block of ``name`` and copy it into ``target``'s local shard (cast to its dtype)."""
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if local.numel() == 0:
+        return
+    block = shard_block(target)
+    if block is None:  # placements our cut does not cover: DTensor slices the full tensor itself
+        assert isinstance(target, DTensor)
+        full = handle.get_tensor(name)
+        value = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    elif not block:  # a 0-dim tensor
+        value = handle.get_tensor(name)
+    else:
+        value = handle.get_slice(name)[tuple(slice(start, start + length) for start, length in block)]
+    if value.shape != local.shape:  # copy_ would broadcast a wrong block silently; never expected to happen
+        raise NotImplementedError(
+            f"Cannot cut the shard of {name!r} with placements {getattr(target, 'placements', None)} and local"
+            f" shape {tuple(local.shape)} out of the file: the cut gives {tuple(value.shape)}. Please report the"
+            " layout to modelpar."
+        )
+    local.copy_(value)

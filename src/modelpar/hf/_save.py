@@ -1,0 +1,105 @@
+"""A running (sharded) model saved as a Hugging Face pretrained folder, gathering one tensor at a time.
+
+Collective: every rank walks the model's tensors in the same order and gathers each in turn
+(``DTensor.full_tensor()``); rank 0 writes it into its safetensors file and drops it before the next. So no
+rank ever holds more than one full tensor beyond its shards. Rank 0 writes into a staging folder and renames
+it into place at the end; a failure on rank 0 (a full disk) does not stop the others mid-way: they finish
+the gathers, and all ranks then raise it together.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from modelpar.checkpoint._agree import agree
+from modelpar.checkpoint._progress import Progress
+from modelpar.hf._files import Entry, parse_size
+from modelpar.hf._folder import FolderExport, check_destination, check_dtype_argument, configured, out_dtype
+from modelpar.hf._keys import model_tensors, unwrap
+
+__all__ = ["save_pretrained"]
+
+
+def save_pretrained(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> None:
+    """Save ``model`` (a Hugging Face ``PreTrainedModel``, sharded or not) to the folder ``path`` in its format.
+
+    Collective: call it on every rank. Tensors are gathered one at a time and written by rank 0 into
+    ``model.safetensors``, or files of at most ``max_shard_size`` (``"5GB"`` is 5e9 bytes, as Hugging Face
+    counts; or an int) with ``model.safetensors.index.json``; then ``config.json`` and, for models that
+    generate, ``generation_config.json``. Tied weights are written once, under their first name (as
+    ``save_pretrained`` does), and ``from_pretrained`` ties them again. ``dtype`` casts the floating-point
+    tensors (and sets the config's ``dtype``).
+
+    Memory: one full tensor at a time beyond the shards, on every rank. The folder appears at ``path`` only
+    when complete; an earlier export there is replaced, keeping files it does not write (a tokenizer). A
+    folder holding anything else is refused (``IsADirectoryError``). ``progress``: a progress line on
+    rank 0's stderr.
+    """
+    module = unwrap(model)
+    dst = Path(path)
+    max_bytes = parse_size(max_shard_size)
+    check_dtype_argument(dtype)
+    config = getattr(module, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        raise TypeError(
+            f"{type(module).__name__} has no Hugging Face `config` to save beside its weights. Pass a"
+            " `PreTrainedModel` (e.g. from `AutoModelForCausalLM.from_config`)."
+        )
+    check_destination(dst, overwrite=True)
+    ours = model_tensors(module)
+    tensors = [ours.tensors[name] for name in ours.unique]
+    entries = [
+        Entry(name, tuple(t.shape), out_dtype(t.dtype, dtype)) for name, t in zip(ours.unique, tensors, strict=True)
+    ]
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    export = FolderExport(dst, entries, max_bytes) if writing else None
+    error: Exception | None = None
+    if export is not None:
+        try:
+            export.begin()
+        except Exception as err:
+            error = err
+    agree(f"Preparing the export to {str(dst)!r}", error)
+    bar = Progress(progress and writing, len(entries), sum(e.nbytes for e in entries))
+    for entry, tensor in zip(entries, tensors, strict=True):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective: every rank
+        if export is not None and error is None:
+            try:
+                export.write(full.detach())
+            except Exception as err:  # keep gathering, so the other ranks are not left waiting
+                error = err
+        del full
+        bar.advance(entry.nbytes)
+    if export is not None:
+        try:
+            if error is None:
+                total = sum(t.numel() for t in tensors if isinstance(t, torch.nn.Parameter))
+                export.finish(total, lambda folder: _save_configs(module, config, entries, folder))
+        except Exception as err:
+            error = err
+        if error is not None:
+            export.abort()
+    agree(f"Exporting the model to {str(dst)!r}", error)
+    if writing:
+        bar.finish(dst)
+
+
+def _save_configs(module: Any, config: Any, entries: list[Entry], folder: Path) -> None:
+    configured(config, type(module).__name__, entries).save_pretrained(folder)
+    can_generate = getattr(module, "can_generate", None)
+    generation_config = getattr(module, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation_config is not None:
+        generation_config.save_pretrained(folder)
