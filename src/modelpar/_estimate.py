@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -347,33 +346,6 @@ def hf_on_meta(path: Path) -> tuple[nn.Module, ParallelPlan]:
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return model, hf_plan(model)
+    from modelpar.hf._plan import plan_for  # needs no transformers itself; the model above did
 
-
-#: Hugging Face ``tp_plan`` styles -> ParallelPlan styles (``None``: parameters replicated, nothing to apply).
-_HF_STYLES: dict[str, str | None] = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "colwise_gather_output": "colwise_gather",
-    "embedding_rowwise": "embedding",
-    "sequence_parallel": "norm",
-    "replicated_with_grad_allreduce": None,
-}
-
-
-def hf_plan(model: nn.Module) -> ParallelPlan:
-    """A ParallelPlan from a Hugging Face model's ``tp_plan``; its ``_no_split_modules`` blocks are the FSDP units."""
-    tensor_parallel: dict[str, str] = {}
-    for pattern, hf_style in (getattr(model, "tp_plan", None) or {}).items():
-        if hf_style not in _HF_STYLES:
-            raise ValueError(
-                f"The Hugging Face tp_plan of {type(model).__name__} maps {pattern!r} to {hf_style!r}, a style the"
-                f" estimate cannot translate (it knows {list(_HF_STYLES)}). Estimate with tensor_parallel_size=1,"
-                " or pass a ParallelPlan written for this model to `modelpar.estimate_memory`."
-            )
-        style = _HF_STYLES[hf_style]
-        if style is not None:
-            tensor_parallel[pattern] = style
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
-    units = {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n, m in model.named_modules() if type(m).__name__ in blocks}
-    return ParallelPlan(tensor_parallel=tensor_parallel, fsdp_units=tuple(sorted(units)))
+    return model, plan_for(model)

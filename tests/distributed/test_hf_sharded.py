@@ -1,8 +1,8 @@
 """Hugging Face pretrained weights into and out of sharded models: one spawn of 4 CPU processes, a grid inside.
 
 A tiny Llama (``transformers``) is built on the meta device with ``fabric.init_module(empty_init=True)``, set up
-by our strategy with a small hand-written plan (tensor parallelism on the attention and MLP projections, then
-FSDP2 per decoder layer and on the root), and filled with ``load_pretrained``. On every rank each local shard
+by our strategy with the model's own plan (``modelpar.hf.plan_for``: tensor parallelism on the attention and MLP
+projections and the LM head, FSDP2 per decoder layer and on the root), and filled with ``load_pretrained``. On every rank each local shard
 must equal, exactly, what FSDP2 holds after sharding ``from_pretrained``'s model with the same plan; buffers
 the files do not hold (rotary ``inv_freq``) must equal ``from_pretrained``'s; and the logits must match. On
 2x2, one AdamW step later, ``save_pretrained`` writes a folder whose ``from_pretrained`` has the sharded
@@ -17,41 +17,23 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import modelpar
 import modelpar.hf
 from harness import run_distributed
+from modelpar.hf import plan_for
+from modelpar.plans import ParallelPlan
 from parity import make_fabric
 
-TP_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(),
-}
 
-
-def parallelize(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-    """A hand-written plan for the test (a declarative plan will replace it): TP per layer, then FSDP2."""
-    layers: Any = model.model.layers
-    tp_mesh = device_mesh["tensor_parallel"]
-    for layer in layers:
-        if tp_mesh.size() > 1:
-            parallelize_module(layer, tp_mesh, TP_PLAN)
-        fully_shard(layer, **modelpar.fsdp_kwargs(device_mesh))
-    fully_shard(model, **modelpar.fsdp_kwargs(device_mesh))
-    return model
+def plan(tied: bool) -> ParallelPlan:
+    """The model's own Hugging Face plan (built from a meta-device model: a plan is data)."""
+    with torch.device("meta"):
+        return plan_for(AutoModelForCausalLM.from_config(tiny_config(tied)))
 
 
 def tiny_config(tied: bool) -> LlamaConfig:
@@ -85,11 +67,11 @@ def sharded_model(fabric: Any, folder: Path, tied: bool) -> Any:
     return model
 
 
-def check_shards(model: Any, folder: Path, mesh: DeviceMesh, where: str) -> None:
+def check_shards(model: Any, folder: Path, mesh: DeviceMesh, where: str, tied: bool = False) -> None:
     """Local shards equal FSDP2's own shards of ``from_pretrained``'s model; buffers equal its buffers."""
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     buffers = {name: b.clone() for name, b in reference.named_buffers()}
-    held = parallelize(reference, mesh).state_dict()
+    held = plan(tied)(reference, mesh).state_dict()
     got = model.module.state_dict()
     assert list(got) == list(held), where
     for name, value in got.items():
@@ -113,7 +95,7 @@ def grid(root: Path) -> dict[str, Any]:
     want = logits(AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32))
 
     # 2x2: TP inside FSDP2, with _StridedShard on the column-parallel weights
-    fabric = make_fabric(2, 2, world_size=4, num_nodes=2, parallelize_fn=parallelize)
+    fabric = make_fabric(2, 2, world_size=4, num_nodes=2, parallelize_fn=plan(False))
     model = sharded_model(fabric, untied, tied=False)
     check_shards(model, untied, fabric.strategy.device_mesh, "2x2")
     torch.testing.assert_close(logits(model), want, atol=1e-5, rtol=1e-5)  # TP sums in another order
@@ -135,15 +117,15 @@ def grid(root: Path) -> dict[str, Any]:
     done["2x2"] = time.monotonic() - start
 
     # 4x1 (FSDP2 alone) with tied embeddings: the logits are computed exactly as on one process
-    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, parallelize_fn=parallelize)
+    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, parallelize_fn=plan(True))
     model = sharded_model(fabric, tied, tied=True)
     assert model.module.lm_head.weight is model.module.model.embed_tokens.weight
-    check_shards(model, tied, fabric.strategy.device_mesh, "4x1 tied")
+    check_shards(model, tied, fabric.strategy.device_mesh, "4x1 tied", tied=True)
     assert torch.equal(logits(model), logits(AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)))
     done["4x1"] = time.monotonic() - start
 
     # HSDP 2x2x1: replicate x shard
-    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, data_parallel_replicate_size=2, parallelize_fn=parallelize)
+    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, data_parallel_replicate_size=2, parallelize_fn=plan(False))
     assert tuple(fabric.strategy.device_mesh.shape) == (2, 2, 1)
     model = sharded_model(fabric, untied, tied=False)
     check_shards(model, untied, fabric.strategy.device_mesh, "2x2x1")

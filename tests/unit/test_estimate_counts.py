@@ -218,10 +218,21 @@ def test_cli_estimates_a_hugging_face_config_like_the_same_llama(tmp_path, capsy
     assert "model.layers.0, fp32" in capsys.readouterr().out
 
 
-def test_a_hugging_face_style_the_estimate_cannot_translate_is_named():
-    from modelpar._estimate import hf_plan
+def test_a_hugging_face_style_the_plan_cannot_translate_is_named():
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    model = nn.Module()
-    model.tp_plan = {"layers.*.mlp.experts": "local_packed_rowwise"}  # type: ignore[assignment]
-    with pytest.raises(ValueError, match=r"maps 'layers.\*.mlp.experts' to 'local_packed_rowwise', a style the"):
-        hf_plan(model)
+    from modelpar.hf._plan import plan_for
+
+    config = LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=16,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.config.base_model_tp_plan = {"layers.*.mlp.down_proj": "local_packed_rowwise"}
+    with pytest.raises(ValueError, match=r"maps 'model.layers.\*.mlp.down_proj' to the style 'local_packed_rowwise'"):
+        plan_for(model)

@@ -5,6 +5,7 @@ meta device) from a pretrained folder, each rank reading only its own blocks of 
 safetensors files. :func:`save_pretrained` writes a running sharded model as a pretrained folder, one
 gathered tensor at a time; :func:`export_checkpoint` (``modelpar convert SRC DST --to hf --config DIR``)
 does the same offline from a distributed checkpoint folder. The folders load with ``from_pretrained``.
+:func:`plan_for` turns the model's own tensor-parallel plan into a :class:`~modelpar.plans.ParallelPlan`.
 """
 
 import importlib.util
@@ -18,6 +19,7 @@ if _missing:
 
 from modelpar.hf._export import export_checkpoint  # noqa: E402  (after the check, for its message)
 from modelpar.hf._load import load_pretrained  # noqa: E402
+from modelpar.hf._plan import plan_for  # noqa: E402
 from modelpar.hf._save import save_pretrained  # noqa: E402
 
-__all__ = ["load_pretrained", "save_pretrained", "export_checkpoint"]
+__all__ = ["load_pretrained", "save_pretrained", "export_checkpoint", "plan_for"]

@@ -1,0 +1,190 @@
+"""A :class:`~modelpar.plans.ParallelPlan` read from a Hugging Face model's own tensor-parallel plan.
+
+``transformers`` ships, for most decoder families, a tensor-parallel plan in data: the config's
+``base_model_tp_plan`` (patterns relative to the base model, ``"layers.*.self_attn.q_proj": "colwise"``) and
+the model class's ``_tp_plan`` for its head (``{"lm_head": "colwise_gather_output"}``). :func:`plan_for`
+translates both into our style names, names the decoder layers (``_no_split_modules``) as FSDP units, and
+passes the plan's options through. The plan is data: build it from a meta-device model before the strategy
+sets the model up, and pass it as the ``parallelize_fn``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
+from modelpar.plans import ActivationCheckpointing, ParallelPlan
+
+__all__ = ["HF_STYLES", "plan_for"]
+
+#: Hugging Face ``tp_plan`` style -> what :func:`plan_for` makes of it (see ``docs/huggingface.md``).
+HF_STYLES: Mapping[str, str] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather ('output' on the LM head)",
+    "colwise_rep": "colwise_gather ('output' on the LM head)",
+    "embedding_rowwise": "embedding",
+    "sequence_parallel": "norm",
+    "replicated_with_grad_allreduce": "replicated, gradient summed over the tensor-parallel ranks",
+}
+
+
+def plan_for(
+    model: nn.Module,
+    *,
+    activation_checkpointing: ActivationCheckpointing = "none",
+    ac_every: int = 1,
+    compile: bool = False,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> ParallelPlan:
+    """The :class:`~modelpar.plans.ParallelPlan` of a Hugging Face ``PreTrainedModel``, from its own TP plan.
+
+    ``model`` may be on the meta device (build it under ``fabric.init_module(empty_init=True)`` or
+    ``torch.device("meta")``); only its names, types, config and class are read. The plan:
+
+    - tensor parallelism from ``model.config.base_model_tp_plan`` (prefixed with ``model.base_model_prefix``
+      when the model has a head) and the class's ``_tp_plan``: ``"colwise"`` -> ``"colwise"``, ``"rowwise"``
+      -> ``"rowwise"``, ``"colwise_gather_output"`` -> ``"output"`` on the LM head (vocab-sharded logits with
+      ``loss_parallel``), ``"colwise_gather"`` elsewhere, ``"embedding_rowwise"`` -> ``"embedding"``,
+      ``"sequence_parallel"`` -> ``"norm"``, ``"replicated_with_grad_allreduce"`` (Qwen3's per-head
+      ``q_norm`` / ``k_norm``) -> parameters replicated on the tensor-parallel ranks, the input marked as
+      split over heads, so each rank's partial gradient is summed. Another style is a ``ValueError``;
+    - with tied word embeddings the LM head keeps its (shared) weight replicated, since sharding it would
+      untie it; ``loss_parallel`` then has nothing to shard and is refused;
+    - FSDP units: the modules of the classes in ``model._no_split_modules`` (the decoder layers), else the
+      base model's ``layers.*``; the root is sharded last;
+    - ``activation_checkpointing``, ``ac_every``, ``compile``, ``loss_parallel``, ``reshard_after_forward``,
+      ``mp_policy``: as in :class:`~modelpar.plans.ParallelPlan`. ``sequence_parallel=True`` raises
+      ``NotImplementedError`` (see ``docs/huggingface.md``).
+
+    Head counts (``num_attention_heads``, ``num_key_value_heads``) and every split dimension are checked
+    against the tensor-parallel size when the plan is applied, before anything is sharded.
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or config is None:
+        raise TypeError(
+            f"`plan_for` reads a Hugging Face model's own tensor-parallel plan, but got {type(model).__name__}"
+            " with no `config`. Pass a `PreTrainedModel` (e.g. `AutoModelForCausalLM.from_config(config)` on the"
+            " meta device), or write a `modelpar.plans.ParallelPlan` for it."
+        )
+    if sequence_parallel:
+        raise NotImplementedError(
+            "plan_for(..., sequence_parallel=True) is not supported for Hugging Face models: their base model"
+            " derives the positions and the causal mask from the embeddings' sequence length, and their decoder"
+            " layers pass the hidden states to attention as a keyword argument, so a sequence-sharded residual"
+            " stream would not be gathered before the projections. Use tensor parallelism without sequence"
+            " parallelism (the default), with `activation_checkpointing` to save activation memory."
+        )
+    hf_plan = _hf_tp_plan(model)
+    if not hf_plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tensor-parallel plan: `config.base_model_tp_plan` and the class's"
+            " `_tp_plan` are empty. Write a `modelpar.plans.ParallelPlan` for it, e.g."
+            " `ParallelPlan(fsdp_units=('model.layers.*',))` for FSDP alone."
+        )
+    head = _output_embeddings_name(model)
+    tied = _tied_head(model)
+    tensor_parallel: dict[str, str | ParallelStyle] = {}
+    for pattern, hf_style in hf_plan.items():
+        on_head = head is not None and pattern == head
+        if on_head and tied:
+            continue  # sharding the head's weight would untie it from the embeddings: keep it replicated
+        tensor_parallel[pattern] = _style(pattern, hf_style, on_head=on_head)
+    if loss_parallel and "output" not in tensor_parallel.values():
+        why = (
+            "its LM head shares its weight with the input embeddings (tied), so the head stays replicated"
+            if tied
+            else "its tensor-parallel plan does not split the LM head"
+        )
+        raise ValueError(
+            f"plan_for(..., loss_parallel=True): {type(model).__name__} cannot keep its logits vocab-sharded:"
+            f" {why}. Turn loss parallelism off{' (or build the model with `tie_word_embeddings=False`)' * tied}."
+        )
+    return ParallelPlan(
+        tensor_parallel=tensor_parallel,
+        fsdp_units=_decoder_layers(model),
+        activation_checkpointing=activation_checkpointing,
+        ac_every=ac_every,
+        compile=compile,
+        loss_parallel=loss_parallel,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+    )
+
+
+def _base_prefix(model: nn.Module) -> str:
+    """``"model."`` for a model with a head (``LlamaForCausalLM``), ``""`` for the base model itself."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    return prefix + "." if isinstance(base, nn.Module) and base is not model else ""
+
+
+def _hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The config's base-model plan (prefixed) and the class's own plan, in that order."""
+    base_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = _base_prefix(model)
+    plan = {prefix + pattern: style for pattern, style in base_plan.items()}
+    plan.update(getattr(type(model), "_tp_plan", None) or {})
+    return plan
+
+
+def _style(pattern: str, hf_style: Any, *, on_head: bool) -> str | ParallelStyle:
+    if hf_style in ("colwise", "rowwise"):
+        return str(hf_style)
+    if hf_style in ("colwise_gather_output", "colwise_rep"):
+        return "output" if on_head else "colwise_gather"
+    if hf_style == "embedding_rowwise":
+        return "embedding"
+    if hf_style == "sequence_parallel":
+        return "norm"
+    if hf_style == "replicated_with_grad_allreduce":
+        # The module (a per-head norm between column- and row-parallel projections) sees this rank's heads only.
+        # Its parameters become replicated DTensors and its input is declared split on the heads dim (-2), so
+        # DTensor sums the ranks' partial gradients; the output goes back to a local tensor.
+        return SequenceParallel(sequence_dim=-2, use_local_output=True)
+    raise ValueError(
+        f"The Hugging Face tensor-parallel plan maps {pattern!r} to the style {hf_style!r}, which modelpar does not"
+        f" translate. Supported styles: {list(HF_STYLES)}. Write a `modelpar.plans.ParallelPlan` for this model,"
+        " or take `plan_for(model).tensor_parallel` as a start and replace that entry."
+    )
+
+
+def _output_embeddings_name(model: nn.Module) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
+
+
+def _tied_head(model: nn.Module) -> bool:
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return False
+    embeddings, head = get_in(), get_out()
+    weight_in, weight_out = getattr(embeddings, "weight", None), getattr(head, "weight", None)
+    return weight_in is not None and weight_in is weight_out
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, ...]:
+    """Patterns of the decoder layers: the ``_no_split_modules`` classes, else the base model's ``layers.*``."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    patterns: dict[str, None] = {}
+    for name, module in model.named_modules():
+        if name and type(module).__name__ in classes:
+            patterns[re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)] = None
+    if patterns:
+        # A unit nested in another of the same pattern family is fine; FSDP shards the deepest first.
+        return tuple(patterns)
+    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return (_base_prefix(model) + "layers.*",)
+    return ()

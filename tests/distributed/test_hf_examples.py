@@ -1,0 +1,51 @@
+"""The Hugging Face fine-tuning examples run as documented, on 4 CPU processes, and export loadable folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("pytorch_lightning")
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def weights(folder: Path) -> dict[str, object]:
+    with safe_open(folder / "model.safetensors", framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+
+
+def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_at_2x2_and_export_what_they_trained(tmp_path):
+    tiny = tmp_path / "tiny"
+    steps = ("--steps", "2", "--seq-len", "16")
+    fabric_out = run(
+        str(ROOT / "examples/hf/finetune_fabric.py"), "--make-tiny", str(tiny), "--out", str(tmp_path / "f"), *steps,
+        cwd=tmp_path,
+    )  # fmt: skip
+    trainer_out = run(
+        str(ROOT / "examples/hf/finetune_trainer.py"), "--pretrained", str(tiny), "--out", str(tmp_path / "t"), *steps,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "wrote a tiny random Llama" in fabric_out and "step   2 | loss" in fabric_out
+    assert "finished at step 2" in trainer_out
+    pretrained = weights(tiny)
+    for output, folder in ((fabric_out, tmp_path / "f"), (trainer_out, tmp_path / "t")):
+        assert "from_pretrained(out) reproduces the trained model's logits: True" in output, output[-3000:]
+        assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        exported = weights(folder)
+        assert sorted(exported) == sorted(pretrained)
+        assert not all(exported[k].equal(pretrained[k]) for k in pretrained)  # type: ignore[attr-defined]

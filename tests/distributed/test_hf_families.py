@@ -1,0 +1,208 @@
+"""Hugging Face families sharded by their own plan (``modelpar.hf.plan_for``), trained like one process.
+
+One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Qwen3 (per-head ``q_norm`` /
+``k_norm``, replicated with summed gradients) and Mistral at 2 (data) x 2 (tensor), Qwen3 with loss parallelism
+and full activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
+built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
+``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
+model on one process with the whole batch: losses, gradients and weights must agree. The plan's refusals are
+checked on one process.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+pytest.importorskip("transformers")
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import modelpar.hf
+from harness import run_distributed
+from modelpar.hf import plan_for
+from modelpar.plans import loss_parallel
+from parity import assert_matches, global_batches, lm_loss, local_slice, make_fabric
+
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+FAMILIES: dict[str, Any] = {
+    "llama": lambda: LlamaConfig(**SIZES),
+    "qwen2": lambda: Qwen2Config(**SIZES),
+    "qwen3": lambda: Qwen3Config(head_dim=8, **SIZES),
+    "mistral": lambda: MistralConfig(**SIZES),
+}
+
+
+def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str, Any]:
+    """Meta model -> plan_for -> strategy -> load_pretrained -> AdamW steps, against one process."""
+    replicate = options.pop("data_parallel_replicate_size", 1)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        plan = plan_for(AutoModelForCausalLM.from_config(config), **options)
+    fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=plan, data_parallel_replicate_size=replicate)
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_config(config)
+    model = fabric.setup_module(model)
+    modelpar.hf.load_pretrained(model, folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    assert_matches(model, ref, "param")
+    out: dict[str, Any] = {"losses": []}
+    for x, y in global_batches(steps):
+        logits = model(local_slice(fabric, x)).logits
+        out["logits"] = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else "plain"
+        with loss_parallel(logits):
+            loss = lm_loss(logits, local_slice(fabric, y))
+            fabric.backward(loss)
+        ref_loss = lm_loss(ref(x).logits, y)
+        ref_loss.backward()
+        local = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        global_loss = fabric.all_reduce(local.detach().clone())
+        torch.testing.assert_close(global_loss, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        assert_matches(model, ref, "grad")
+        optimizer.step()
+        ref_opt.step()
+        optimizer.zero_grad()
+        ref_opt.zero_grad()
+        assert_matches(model, ref, "param")
+        out["losses"].append(global_loss.item())
+    q_norm = getattr(model.module.model.layers[0].self_attn, "q_norm", None)
+    if q_norm is not None:
+        out["q_norm"] = [str(p) for p in q_norm.weight.placements]
+    out["mesh"] = tuple(fabric.strategy.device_mesh.shape)
+    return out
+
+
+def grid(root: Path) -> dict[str, Any]:
+    cases = {
+        "llama_2x2": lambda: case(root / "llama", 2, 2, steps=3),
+        "qwen2_2x2": lambda: case(root / "qwen2", 2, 2, steps=2),
+        "qwen3_2x2": lambda: case(root / "qwen3", 2, 2, steps=3),
+        "mistral_2x2": lambda: case(root / "mistral", 2, 2, steps=2),
+        "llama_loss_parallel_2x2": lambda: case(root / "llama", 2, 2, steps=2, loss_parallel=True),
+        "qwen3_hsdp_loss_parallel_full_ac_2x1x2": lambda: case(
+            root / "qwen3",
+            2,
+            2,
+            steps=2,
+            data_parallel_replicate_size=2,
+            loss_parallel=True,
+            activation_checkpointing="full",
+        ),
+    }
+    results = {}
+    for name, run in cases.items():
+        start = time.perf_counter()
+        results[name] = run()
+        results[name]["seconds"] = round(time.perf_counter() - start, 1)
+    return results
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf_families")
+    for name, make_config in FAMILIES.items():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(make_config()).save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(folders: Path) -> list[dict[str, Any]]:
+    return run_distributed(grid, 4, folders, timeout=240)
+
+
+def test_llama_qwen2_qwen3_and_mistral_train_at_2x2_like_one_process_from_pretrained(results):
+    print({name: out["seconds"] for name, out in results[0].items()})
+    for r in results:
+        for name in ("llama_2x2", "qwen2_2x2", "qwen3_2x2", "mistral_2x2"):
+            assert r[name]["mesh"] == (2, 2), name
+            assert r[name]["logits"] == "plain", name
+            assert r[name]["losses"][-1] < r[name]["losses"][0], name
+
+
+def test_qwen3_per_head_norms_are_replicated_on_the_tensor_parallel_axis(results):
+    # FSDP shards them on the data-parallel axis; their gradients matched one process in the grid.
+    assert results[0]["qwen3_2x2"]["q_norm"] == [str(Shard(0)), str(Replicate())]
+    assert results[0]["qwen3_hsdp_loss_parallel_full_ac_2x1x2"]["q_norm"] == [
+        str(Replicate()),
+        str(Shard(0)),
+        str(Replicate()),
+    ]
+
+
+def test_loss_parallel_keeps_hugging_face_logits_vocab_sharded_also_under_hsdp(results):
+    assert results[0]["llama_loss_parallel_2x2"]["logits"] == [str(Shard(2))]
+    hsdp = results[0]["qwen3_hsdp_loss_parallel_full_ac_2x1x2"]
+    assert hsdp["mesh"] == (2, 1, 2) and hsdp["logits"] == [str(Shard(2))]
+
+
+def _meta_model(config: Any) -> Any:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_plan_for_maps_the_hugging_face_styles_and_names_the_decoder_layers_as_units():
+    plan = plan_for(_meta_model(FAMILIES["qwen3"]()), activation_checkpointing="full", ac_every=2)
+    styles = dict(plan.tensor_parallel)
+    assert styles["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert styles["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert styles["lm_head"] == "output"
+    assert type(styles["model.layers.*.self_attn.q_norm"]).__name__ == "SequenceParallel"
+    assert plan.fsdp_units == ("model.layers.*",)
+    assert (plan.activation_checkpointing, plan.ac_every) == ("full", 2)
+
+
+def test_plan_for_keeps_a_tied_lm_head_replicated_and_refuses_loss_parallel_for_it():
+    model = _meta_model(LlamaConfig(**{**SIZES, "tie_word_embeddings": True}))
+    assert "lm_head" not in plan_for(model).tensor_parallel
+    with pytest.raises(ValueError, match=r"loss_parallel=True.*shares its weight with the input embeddings"):
+        plan_for(model, loss_parallel=True)
+
+
+def test_plan_for_refuses_an_unknown_style_naming_it_the_pattern_and_the_supported_ones():
+    config = FAMILIES["llama"]()
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.up_proj": "packed_colwise"}
+    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.up_proj' to the style 'packed_colwise'.*'colwise'"):
+        plan_for(_meta_model(config))
+
+
+def test_plan_for_refuses_sequence_parallel_a_model_without_a_plan_and_a_plain_module():
+    with pytest.raises(NotImplementedError, match="sequence_parallel=True"):
+        plan_for(_meta_model(FAMILIES["mistral"]()), sequence_parallel=True)
+    config = FAMILIES["llama"]()
+    config.base_model_tp_plan = {}
+    with torch.device("meta"):
+        base_model = AutoModel.from_config(config)  # no head, so no class plan either
+    with pytest.raises(ValueError, match="LlamaModel has no tensor-parallel plan"):
+        plan_for(base_model)
+    with pytest.raises(TypeError, match="no `config`"):
+        plan_for(torch.nn.Linear(2, 2))
+
+
+def test_plan_for_head_counts_are_checked_before_anything_is_sharded():
+    model = _meta_model(LlamaConfig(**{**SIZES, "num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match=r"does not divide config\.num_key_value_heads=1 \(heads\)"):
+        plan_for(model).check(model, 2)
