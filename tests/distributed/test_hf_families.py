@@ -2,7 +2,7 @@
 
 One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Qwen3 (per-head ``q_norm`` /
 ``k_norm``, replicated with summed gradients) and Mistral at 2 (data) x 2 (tensor), Qwen3 with loss parallelism
-and full activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
+and selective activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
 built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
 ``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
 model on one process with the whole batch: losses, gradients and weights must agree. The plan's refusals are
@@ -102,14 +102,14 @@ def grid(root: Path) -> dict[str, Any]:
         "qwen3_2x2": lambda: case(root / "qwen3", 2, 2, steps=3),
         "mistral_2x2": lambda: case(root / "mistral", 2, 2, steps=2),
         "llama_loss_parallel_2x2": lambda: case(root / "llama", 2, 2, steps=2, loss_parallel=True),
-        "qwen3_hsdp_loss_parallel_full_ac_2x1x2": lambda: case(
+        "qwen3_hsdp_loss_parallel_selective_ac_2x1x2": lambda: case(
             root / "qwen3",
             2,
             2,
             steps=2,
             data_parallel_replicate_size=2,
             loss_parallel=True,
-            activation_checkpointing="full",
+            activation_checkpointing="selective",  # the layers' KV cache is dropped inside the recomputed region
         ),
     }
     results = {}
@@ -146,7 +146,7 @@ def test_llama_qwen2_qwen3_and_mistral_train_at_2x2_like_one_process_from_pretra
 def test_qwen3_per_head_norms_are_replicated_on_the_tensor_parallel_axis(results):
     # FSDP shards them on the data-parallel axis; their gradients matched one process in the grid.
     assert results[0]["qwen3_2x2"]["q_norm"] == [str(Shard(0)), str(Replicate())]
-    assert results[0]["qwen3_hsdp_loss_parallel_full_ac_2x1x2"]["q_norm"] == [
+    assert results[0]["qwen3_hsdp_loss_parallel_selective_ac_2x1x2"]["q_norm"] == [
         str(Replicate()),
         str(Shard(0)),
         str(Replicate()),
@@ -155,7 +155,7 @@ def test_qwen3_per_head_norms_are_replicated_on_the_tensor_parallel_axis(results
 
 def test_loss_parallel_keeps_hugging_face_logits_vocab_sharded_also_under_hsdp(results):
     assert results[0]["llama_loss_parallel_2x2"]["logits"] == [str(Shard(2))]
-    hsdp = results[0]["qwen3_hsdp_loss_parallel_full_ac_2x1x2"]
+    hsdp = results[0]["qwen3_hsdp_loss_parallel_selective_ac_2x1x2"]
     assert hsdp["mesh"] == (2, 1, 2) and hsdp["logits"] == [str(Shard(2))]
 
 

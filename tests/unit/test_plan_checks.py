@@ -291,3 +291,31 @@ def test_loss_parallel_is_a_no_op_for_plain_logits():
         loss = F.cross_entropy(logits.flatten(0, 1), torch.zeros(6, dtype=torch.long))
         loss.backward()
     assert logits.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_hugging_face_layers_do_not_write_their_kv_cache_twice(mode):
+    """HF decoder layers append to ``past_key_values`` when ``use_cache`` (the default): inside a recomputed region
+    that is written twice, and selective checkpointing fails; gradients must equal the unchecked model's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config)
+    checked = transformers.AutoModelForCausalLM.from_config(config)
+    checked.load_state_dict(plain.state_dict())
+    for layer in checked.model.layers:
+        checkpoint_module(layer, mode)
+    tokens = torch.randint(0, 128, (2, 12))
+    plain(tokens).logits.sum().backward()
+    checked(tokens).logits.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), checked.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # generation without gradients keeps its cache
+        assert checked(tokens, use_cache=True).past_key_values.get_seq_length() == 12

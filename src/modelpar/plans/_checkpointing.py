@@ -48,6 +48,15 @@ class _CheckpointedForward:
         self.selective = selective
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            # A key/value cache written inside the recomputed region would be written again by the recomputation
+            # (Hugging Face decoder layers append to `past_key_values` when `use_cache`; selective checkpointing
+            # then fails, full checkpointing doubles the cache). Training does not need it: drop it, as
+            # Hugging Face's own gradient checkpointing does. Generation without gradients keeps its cache.
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            if kwargs.get("past_key_values") is not None:
+                kwargs["past_key_values"] = None
         if self.selective:
             context_fn = partial(create_selective_checkpoint_contexts, _policy)
             return checkpoint(self.forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
