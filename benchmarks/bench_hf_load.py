@@ -11,8 +11,9 @@ A random Llama-style model is saved once as one safetensors file, then built on 
 * torch, rank 0: rank 0 loads the file, ``broadcast_from_rank0=True`` sends every tensor to the others.
 
 Reported per method, on the worst rank: seconds, and the peak of anonymous resident memory added during the
-load (sampled every 0.2 ms; file pages of the memory map are page cache, shared and reclaimable, and not
-counted). Every method must give the same local shards; rank 0 prints a markdown table with ratios.
+load (sampled every millisecond, as in ``bench_checkpoint.py``; file pages of the memory map are page cache,
+shared and reclaimable, and not counted). Every method must give the same local shards; rank 0 prints a
+markdown table with ratios.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import bench_checkpoint  # its memory sampler (benchmarks/ is on the path when run as a script)
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -33,38 +33,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from modelpar import ModelParallelStrategy
 
 
-def anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
-
-
 def measure(load: Callable[[], None]) -> tuple[float, float]:
-    """(seconds, peak added anonymous bytes), the worst over all ranks."""
+    """(seconds, peak added anonymous bytes), the worst over all ranks, from a trimmed heap."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    dist.barrier()
-    base = anon_bytes()
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon_bytes())
-            time.sleep(0.0002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    load()
-    seconds = time.perf_counter() - start
-    stop.set()
-    sampler.join()
-    stats = torch.tensor([seconds, max(peak[0], anon_bytes()) - base], dtype=torch.float64)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return float(stats[0]), float(stats[1])
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # so that memory freed by the previous method does not hide a peak
+    seconds, added = bench_checkpoint.measure(load)
+    return seconds, float(added)
 
 
 def save_random_model(folder: Path, config: Any) -> None:

@@ -32,25 +32,16 @@ from transformers import (
 
 import modelpar.hf
 from harness import run_distributed
+from hf_tiny import TINY_SIZES
 from modelpar.hf import plan_for
 from modelpar.plans import loss_parallel
 from parity import assert_matches, global_batches, lm_loss, local_slice, make_fabric
 
-SIZES = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 FAMILIES: dict[str, Any] = {
-    "llama": lambda: LlamaConfig(**SIZES),
-    "qwen2": lambda: Qwen2Config(**SIZES),
-    "qwen3": lambda: Qwen3Config(head_dim=8, **SIZES),
-    "mistral": lambda: MistralConfig(**SIZES),
+    "llama": lambda: LlamaConfig(**TINY_SIZES),
+    "qwen2": lambda: Qwen2Config(**TINY_SIZES),
+    "qwen3": lambda: Qwen3Config(head_dim=8, **TINY_SIZES),
+    "mistral": lambda: MistralConfig(**TINY_SIZES),
 }
 
 
@@ -176,7 +167,7 @@ def test_plan_for_maps_the_hugging_face_styles_and_names_the_decoder_layers_as_u
 
 
 def test_plan_for_keeps_a_tied_lm_head_replicated_and_refuses_loss_parallel_for_it():
-    model = _meta_model(LlamaConfig(**{**SIZES, "tie_word_embeddings": True}))
+    model = _meta_model(LlamaConfig(**{**TINY_SIZES, "tie_word_embeddings": True}))
     assert "lm_head" not in plan_for(model).tensor_parallel
     with pytest.raises(ValueError, match=r"loss_parallel=True.*shares its weight with the input embeddings"):
         plan_for(model, loss_parallel=True)
@@ -203,6 +194,6 @@ def test_plan_for_refuses_sequence_parallel_a_model_without_a_plan_and_a_plain_m
 
 
 def test_plan_for_head_counts_are_checked_before_anything_is_sharded():
-    model = _meta_model(LlamaConfig(**{**SIZES, "num_key_value_heads": 1}))
+    model = _meta_model(LlamaConfig(**{**TINY_SIZES, "num_key_value_heads": 1}))
     with pytest.raises(ValueError, match=r"does not divide config\.num_key_value_heads=1 \(heads\)"):
         plan_for(model).check(model, 2)

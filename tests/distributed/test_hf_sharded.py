@@ -21,10 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 import modelpar.hf
 from harness import run_distributed
+from hf_tiny import tiny_config
 from modelpar.hf import plan_for
 from modelpar.plans import ParallelPlan
 from parity import make_fabric
@@ -33,20 +34,7 @@ from parity import make_fabric
 def plan(tied: bool) -> ParallelPlan:
     """The model's own Hugging Face plan (built from a meta-device model: a plan is data)."""
     with torch.device("meta"):
-        return plan_for(AutoModelForCausalLM.from_config(tiny_config(tied)))
-
-
-def tiny_config(tied: bool) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
+        return plan_for(AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=tied)))
 
 
 def tokens() -> torch.Tensor:
@@ -61,7 +49,7 @@ def logits(model: Any) -> torch.Tensor:
 def sharded_model(fabric: Any, folder: Path, tied: bool) -> Any:
     torch.manual_seed(11)  # not the folder's seed: a tensor left unloaded would show
     with fabric.init_module(empty_init=True):
-        model = AutoModelForCausalLM.from_config(tiny_config(tied))
+        model = AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=tied))
     model = fabric.setup_module(model)
     modelpar.hf.load_pretrained(model, folder)
     return model
@@ -139,7 +127,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf")
     for tied in (False, True):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config(tied))
+        model = AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=tied))
         # the folder in bf16, sharded with an index: cast and file lookup on the way in
         model.to(torch.bfloat16).save_pretrained(root / ("tied" if tied else "untied"), max_shard_size="30KB")
     return root

@@ -17,28 +17,14 @@ import torch
 pytest.importorskip("transformers")
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 import modelpar.hf
+from hf_tiny import tiny_config
 from modelpar import CheckpointKeyError, CheckpointShapeError
 from modelpar._cli import main
 from modelpar.checkpoint import save_state
 from modelpar.hf import export_checkpoint, load_pretrained, save_pretrained
-
-
-def tiny_config(**overrides: object) -> LlamaConfig:
-    kwargs: dict[str, object] = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
 
 
 def pretrained(folder: Path, *, tied: bool = False, dtype: torch.dtype = torch.float32, shard: str = "5GB") -> Path:
