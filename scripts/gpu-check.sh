@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU suite in one command, on a machine with one (or more) CUDA GPUs: checks the environment, runs
+# tests/gpu (one process with NCCL on a 1x1 mesh; 2 and 4 processes sharing GPU 0 over gloo) and the MFU
+# benchmark, and writes everything to $GPU_CHECK_OUT (default gpu-check-results/, git-ignored).
+#
+# It uses the machine's own CUDA build of torch (a CPU .venv cannot see the GPU): PYTHON picks the
+# interpreter (default python3). modelpar runs from this checkout (PYTHONPATH=src), so nothing is built.
+# Missing test dependencies are installed with pip when an index is reachable; otherwise it says which.
+# GPU_CHECK_SKIP_MFU=1 leaves out the benchmark; extra arguments go to pytest (e.g. -k offload).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${GPU_CHECK_OUT:-gpu-check-results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu-check: $PYTHON has no CUDA build of torch, or no GPU is visible (torch.cuda.is_available() is False)." >&2
+  echo "Run it on a GPU machine, with PYTHON pointing at an interpreter whose torch sees the GPU." >&2
+  exit 2
+fi
+
+missing=$("$PYTHON" - <<'EOF'
+import importlib.util
+need = {"lightning_fabric": "lightning>=2.6.1", "pytorch_lightning": "lightning>=2.6.1",
+        "transformers": "transformers>=5.17", "safetensors": "safetensors>=0.8",
+        "pytest": "pytest>=8", "pytest_timeout": "pytest-timeout>=2.3"}
+print(" ".join(sorted({spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None})))
+EOF
+)
+if [ -n "$missing" ]; then
+  echo "gpu-check: installing $missing (torch is left as it is)"
+  if ! "$PYTHON" -m pip install -q $missing; then
+    echo "gpu-check: could not install $missing; install them into $PYTHON's environment and run again." >&2
+    exit 2
+  fi
+fi
+
+{
+  echo "== environment ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)) =="
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
+  "$PYTHON" - <<'EOF'
+import importlib, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))},"
+      f" {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}")
+for name in ("lightning_fabric", "pytorch_lightning", "transformers", "safetensors"):
+    print(name, getattr(importlib.import_module(name), "__version__", "?"))
+major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+if (major, minor) < (2, 13):
+    print(f"NOTE: torch {torch.__version__} is below modelpar's floor (2.13): failures may be torch's, not ours")
+EOF
+} 2>&1 | tee "$OUT/environment.txt"
+
+echo "== tests/gpu ==" | tee "$OUT/pytest.log"
+"$PYTHON" -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider --timeout 3600 \
+  --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee -a "$OUT/pytest.log"
+status=${PIPESTATUS[0]}
+grep -h "^\[gpu-suite\]" "$OUT/pytest.log" > "$OUT/figures.txt" || true
+
+if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ]; then
+  echo "== benchmarks/bench_mfu.py ==" | tee "$OUT/bench_mfu.txt"
+  "$PYTHON" benchmarks/bench_mfu.py 2>&1 | tee -a "$OUT/bench_mfu.txt" || status=1
+fi
+
+echo "gpu-check: pytest exit $status; results in $OUT/ (environment.txt, pytest.log, figures.txt, junit.xml, bench_mfu.txt)"
+exit "$status"

@@ -1,0 +1,474 @@
+"""One process with NCCL on a 1x1 mesh (``cuda:0``), through Fabric, the Trainer and modelpar.hf.
+
+The real CUDA/NCCL paths: meta-device init on CUDA equals the one-process CUDA build bit for bit; CPU offload
+trains like the unsharded CUDA model from Fabric and the Trainer, with and without meta init, and its
+parameters live in pinned CPU memory; the bf16 policy's loss is fp32 and close to autocast's; checkpoints in
+both formats round-trip (async ones staged in pinned memory, host memory measured); clipping on CUDA and on
+offloaded gradients equals torch's; Hugging Face load/save with and without offload (NCCL cannot gather CPU
+shards: the collective-ready path); ``init_module`` dtypes; mesh access; a full checkpoint loaded under DDP
+and back (what Lightning's own CUDA integration tests check, where one GPU allows).
+
+One spawn runs every case; each test asserts one case (see ``gpu_common``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gpu_common import SkipCase, check, device, host_rss_bytes, max_abs_diff, on_cuda, pinned_host_bytes, run_cases
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from harness import PG_TIMEOUT, run_distributed
+from modelpar import ModelParallelStrategy
+from modelpar.models import Llama, LlamaConfig
+from modelpar.plans import parallelize_llama
+from parity import CFG, global_batches, lm_loss
+
+STEPS = 3
+#: fp32 on one GPU: the sharded (1x1) model and the plain model run the same kernels; offload moves the
+#: optimizer step to the CPU (a different AdamW kernel), so a few ulps of difference are allowed there.
+ATOL = 1e-5
+ATOL_OFFLOAD = 1e-4
+#: bf16 policy vs autocast: both round matmul inputs to bf16 (8 bits of mantissa, relative 2^-8); the policy
+#: also runs norms and the softmax in bf16 where autocast keeps fp32 (docs/nd-parallelism.md), so the loss of
+#: the tiny Llama (about 4.2) may differ in its second decimal; measured figures are printed.
+BF16_LOSS_ATOL = 3e-2
+
+
+def _fabric(precision: str = "32-true", **strategy_kwargs: Any) -> Any:
+    from lightning_fabric import Fabric
+
+    strategy = ModelParallelStrategy(parallelize_llama, 1, 1, timeout=PG_TIMEOUT, **strategy_kwargs)
+    fabric = Fabric(accelerator=device().type, devices=1, strategy=strategy, precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
+    return fabric
+
+
+def _reference(cfg: LlamaConfig = CFG) -> Llama:
+    torch.manual_seed(0)
+    with torch.device(device()):
+        return Llama(cfg)
+
+
+def _sharded(fabric: Any, empty_init: bool, cfg: LlamaConfig = CFG) -> Any:
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=empty_init):
+        model = Llama(cfg)
+    return fabric.setup_module(model)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.to(device()), y.to(device())) for x, y in global_batches(STEPS)]
+
+
+def _train_pair(fabric: Any, model: Any, ref: nn.Module, atol: float) -> dict[str, Any]:
+    """STEPS AdamW steps on the strategy's model and on the plain reference: losses and weights must agree."""
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_diff = weight_diff = 0.0
+    for x, y in _batches():
+        loss = lm_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_diff = max(loss_diff, abs(loss.item() - ref_loss.item()))
+    refs = dict(ref.named_parameters())
+    for name, p in model.module.named_parameters():
+        weight_diff = max(weight_diff, max_abs_diff(_full(p), refs[name]))
+    assert loss_diff <= atol and weight_diff <= atol * 10, (loss_diff, weight_diff)
+    return {"loss_diff": loss_diff, "weight_diff": weight_diff}
+
+
+def _assert_offloaded(model: nn.Module) -> dict[str, Any]:
+    """FSDP2's offload keeps every sharded parameter in (pinned, on CUDA) CPU memory, the DTensor saying so."""
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    assert params, "no DTensor parameters"
+    wrong = [n for n, p in model.named_parameters() if p.device.type != "cpu" or p.to_local().device.type != "cpu"]
+    assert not wrong, f"parameters not on the CPU: {wrong[:5]}"
+    unpinned = [n for n, p in model.named_parameters() if on_cuda() and not p.to_local().is_pinned()]
+    assert not unpinned, f"offloaded parameters not in pinned memory: {unpinned[:5]}"
+    return {"offloaded_params": len(params)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# cases (inside the one rank)
+# ---------------------------------------------------------------------------------------------------
+def case_mesh_access() -> dict[str, Any]:
+    fabric = _fabric()
+    mesh = fabric.strategy.device_mesh
+    assert tuple(mesh.shape) == (1, 1) and mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
+    assert mesh.device_type == device().type
+    assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert fabric.device == device()
+    return {"backend": torch.distributed.get_backend()}
+
+
+def case_meta_init_equals_one_process_build() -> dict[str, Any]:
+    fabric = _fabric()
+    model = _sharded(fabric, empty_init=True)
+    ref = _reference()
+    refs = dict(ref.named_parameters())
+    differing = [n for n, p in model.module.named_parameters() if not torch.equal(_full(p), refs[n])]
+    assert not differing, f"not bit for bit: {differing}"
+    return {"tensors": len(refs)}
+
+
+def case_offload_fabric_meta_init() -> dict[str, Any]:
+    fabric = _fabric(cpu_offload=True)
+    model = _sharded(fabric, empty_init=True)
+    figures = _assert_offloaded(model)
+    figures.update(_train_pair(fabric, model, _reference(), ATOL_OFFLOAD))
+    _assert_offloaded(model)
+    return figures
+
+
+def case_offload_fabric_eager_init() -> dict[str, Any]:
+    fabric = _fabric(cpu_offload=True)
+    model = _sharded(fabric, empty_init=False)
+    figures = _assert_offloaded(model)
+    figures.update(_train_pair(fabric, model, _reference(), ATOL_OFFLOAD))
+    return figures
+
+
+def case_bf16_policy_loss_close_to_autocast() -> dict[str, Any]:
+    fabric = _fabric(precision="bf16-mixed")
+    model = _sharded(fabric, empty_init=True)
+    ref = _reference()
+    x, y = _batches()[0]
+    with fabric.autocast():
+        logits = model(x)
+    loss = lm_loss(logits, y)
+    with torch.autocast(device().type, dtype=torch.bfloat16):
+        ref_loss = lm_loss(ref(x), y)
+    fp32_loss = lm_loss(ref(x), y)
+    assert logits.dtype == torch.float32, f"the root's output is {logits.dtype}, not float32 (output_dtype)"
+    diff = abs(loss.item() - ref_loss.item())
+    assert diff <= BF16_LOSS_ATOL, (loss.item(), ref_loss.item())
+    return {
+        "policy_loss": loss.item(),
+        "autocast_loss": ref_loss.item(),
+        "fp32_loss": fp32_loss.item(),
+        "diff": diff,
+    }
+
+
+def case_init_module_dtypes() -> dict[str, Any]:
+    seen = {}
+    for precision, dtype in (("32-true", torch.float32), ("bf16-true", torch.bfloat16), ("16-true", torch.float16)):
+        for empty_init in (True, False):
+            fabric = _fabric(precision=precision)
+            with fabric.init_module(empty_init=empty_init):
+                model = Llama(CFG)
+            assert all(p.dtype == dtype for p in model.parameters()), (precision, empty_init)
+            assert all(p.is_meta for p in model.parameters()) == empty_init
+            model = fabric.setup_module(model)
+            assert all(p.dtype == dtype and p.device == device() for p in model.parameters()), (precision, empty_init)
+            seen[f"{precision}/{empty_init}"] = str(dtype)
+    return seen
+
+
+def case_save_load_both_formats() -> dict[str, Any]:
+    figures = {}
+    for distributed in (True, False):
+        with tempfile.TemporaryDirectory() as tmp:
+            fabric = _fabric(save_distributed_checkpoint=distributed)
+            model = _sharded(fabric, empty_init=True)
+            optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+            batches = _batches()
+            for x, y in batches[:2]:
+                fabric.backward(lm_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            fabric.save(Path(tmp) / "ckpt", {"model": model, "optimizer": optimizer, "step": 2})
+            fabric2 = _fabric(save_distributed_checkpoint=distributed)
+            torch.manual_seed(5)
+            model2 = _sharded(fabric2, empty_init=True)
+            optimizer2 = fabric2.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=1e-2))
+            state = {"model": model2, "optimizer": optimizer2, "step": 0}
+            fabric2.load(Path(tmp) / "ckpt", state)
+            assert state["step"] == 2
+            for (n, a), b in zip(model.module.named_parameters(), model2.module.parameters(), strict=True):
+                assert torch.equal(_full(a), _full(b)), n
+            x, y = batches[2]
+            for f, m, o in ((fabric, model, optimizer), (fabric2, model2, optimizer2)):
+                f.backward(lm_loss(m(x), y))
+                o.step()
+            for (n, a), b in zip(model.module.named_parameters(), model2.module.parameters(), strict=True):
+                assert torch.equal(_full(a), _full(b)), f"after a step from the loaded state: {n}"
+            figures["distributed" if distributed else "full"] = "round trip exact"
+    return figures
+
+
+def case_async_save_staging() -> dict[str, Any]:
+    """Async saves: the state is staged once (host memory ~1x the state, not 2x), in pinned memory on CUDA."""
+    cfg = LlamaConfig(vocab_size=4096, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1536, max_seq_len=64)
+    fabric = _fabric(async_save=True)
+    model = _sharded(fabric, empty_init=True, cfg=cfg)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randint(0, cfg.vocab_size, (2, 32), device=device())
+    fabric.backward(lm_loss(model(x), x))
+    optimizer.step()
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW's two moments
+    figures: dict[str, Any] = {"state_mb": state_bytes / 2**20}
+    with tempfile.TemporaryDirectory() as tmp:
+        rss0, pinned0 = host_rss_bytes(), pinned_host_bytes()
+        for i in range(3):  # the second and later saves reuse the staging buffers
+            fabric.save(Path(tmp) / f"step-{i}", {"model": model, "optimizer": optimizer})
+            figures[f"rss_growth_mb_after_save_{i}"] = (host_rss_bytes() - rss0) / 2**20
+            figures[f"pinned_mb_after_save_{i}"] = (pinned_host_bytes() - pinned0) / 2**20
+        torch.manual_seed(5)
+        with fabric.init_module(empty_init=True):
+            model2 = fabric.setup_module(Llama(cfg))
+        fabric.load(Path(tmp) / "step-2", {"model": model2}, strict=False)  # waits for the background writes
+        for (n, a), b in zip(model.module.named_parameters(), model2.module.parameters(), strict=True):
+            assert torch.equal(_full(a).cpu(), _full(b).cpu()), n
+    growth = figures["rss_growth_mb_after_save_2"] * 2**20
+    assert growth < 1.5 * state_bytes, f"host memory grew by {growth / state_bytes:.2f}x the state (staged twice?)"
+    if on_cuda():
+        assert figures["pinned_mb_after_save_2"] > 0, "async staging did not use pinned memory on CUDA"
+    return figures
+
+
+def case_clipping_cuda_and_offloaded_gradients() -> dict[str, Any]:
+    figures = {}
+    for offload in (False, True):
+        fabric = _fabric(cpu_offload=offload)
+        model = _sharded(fabric, empty_init=True)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.0))
+        ref = _reference()
+        x, y = _batches()[0]
+        fabric.backward(lm_loss(model(x), y))
+        lm_loss(ref(x), y).backward()
+        for norm_type in (2.0, float("inf")):
+            norm = fabric.clip_gradients(model, optimizer, max_norm=1e9, norm_type=norm_type)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=norm_type)
+            assert abs(float(norm) - float(ref_norm)) <= 1e-5 * max(1.0, float(ref_norm)), (norm, ref_norm)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=0.05)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        refs = dict(ref.named_parameters())
+        worst = max(max_abs_diff(_full(p.grad), refs[n].grad) for n, p in model.module.named_parameters())
+        assert worst <= 1e-6, worst
+        figures["offload" if offload else "cuda"] = {"norm": float(norm), "grad_diff": worst}
+    return figures
+
+
+def case_full_checkpoint_under_ddp_and_back() -> dict[str, Any]:
+    """Lightning's check: a ModelParallel full checkpoint loads into a DDP model, and DDP's file loads back."""
+    from lightning_fabric import Fabric
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fabric = _fabric(save_distributed_checkpoint=False)
+        model = _sharded(fabric, empty_init=True)
+        fabric.save(Path(tmp) / "full.ckpt", {"model": model})
+        ddp = Fabric(accelerator=device().type, devices=1, strategy="ddp")
+        ddp.launch()
+        torch.manual_seed(7)
+        plain = ddp.setup_module(Llama(CFG))
+        ddp.load(Path(tmp) / "full.ckpt", {"model": plain})
+        for (n, a), b in zip(model.module.named_parameters(), plain.module.parameters(), strict=True):
+            assert torch.equal(_full(a), b), f"DDP load: {n}"
+        with torch.no_grad():
+            for p in plain.parameters():
+                p.mul_(0.5)
+        ddp.save(Path(tmp) / "ddp.ckpt", {"model": plain})
+        fabric2 = _fabric(save_distributed_checkpoint=False)
+        back = _sharded(fabric2, empty_init=True)
+        fabric2.load(Path(tmp) / "ddp.ckpt", {"model": back})
+        for (n, a), b in zip(back.module.named_parameters(), plain.module.parameters(), strict=True):
+            assert torch.equal(_full(a), b), f"back from DDP: {n}"
+    return {"tensors": sum(1 for _ in model.parameters())}
+
+
+def case_hf_load_and_save_with_and_without_offload() -> dict[str, Any]:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as missing:
+        raise SkipCase(f"transformers is not installed: {missing}") from None
+    import modelpar.hf
+    from hf_tiny import tiny_config
+
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "pretrained"
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_config()).save_pretrained(folder)
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device())
+        tokens = torch.randint(0, 128, (2, 12), device=device(), generator=None)
+        with torch.no_grad():
+            want = reference(tokens).logits
+        with torch.device("meta"):
+            plan = modelpar.hf.plan_for(AutoModelForCausalLM.from_config(tiny_config()))
+        for offload in (False, True):
+            from lightning_fabric import Fabric
+
+            strategy = ModelParallelStrategy(plan, 1, 1, timeout=PG_TIMEOUT, cpu_offload=offload)
+            fabric = Fabric(accelerator=device().type, devices=1, strategy=strategy)
+            fabric.launch()
+            with fabric.init_module(empty_init=True):
+                model = AutoModelForCausalLM.from_config(tiny_config())
+            model = fabric.setup_module(model)
+            modelpar.hf.load_pretrained(model, folder)
+            with torch.no_grad():
+                got = model(tokens).logits
+            load_diff = max_abs_diff(got, want)
+            assert load_diff <= 1e-5, load_diff
+            out = Path(tmp) / f"export-{offload}"
+            modelpar.hf.save_pretrained(model, out)
+            back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device())
+            with torch.no_grad():
+                save_diff = max_abs_diff(back(tokens).logits, want)
+            assert save_diff <= 1e-5, save_diff
+            figures["offload" if offload else "device"] = {"load_diff": load_diff, "save_diff": save_diff}
+    return figures
+
+
+def _trainer(**kwargs: Any) -> Any:
+    from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
+    from trainer_module import quiet_trainer
+
+    own = ("cpu_offload", "parallelize_fn", "save_distributed_checkpoint")
+    strategy = TrainerStrategy(1, 1, timeout=PG_TIMEOUT, **{k: kwargs.pop(k) for k in own if k in kwargs})
+    defaults = {"accelerator": device().type, "devices": 1, "strategy": strategy, "enable_checkpointing": False}
+    return quiet_trainer(**{**defaults, **kwargs})
+
+
+def _trainer_weights(module: Any) -> dict[str, torch.Tensor]:
+    return {n: _full(p).detach().float().cpu() for n, p in module.model.named_parameters()}
+
+
+def case_offload_trainer() -> dict[str, Any]:
+    """The Trainer with cpu_offload, model built in configure_model (meta) and in __init__ (eager, on the CPU)."""
+    from trainer_module import lightning, loader, parallelize_lightning_module, reference_run
+
+    ref = dict(reference_run(3)[0].named_parameters())
+    figures = {}
+    for meta in (True, False):
+        if meta:
+            t = _trainer(cpu_offload=True, max_steps=3)
+            module = lightning().LlamaModule()
+        else:
+            t = _trainer(cpu_offload=True, max_steps=3, parallelize_fn=parallelize_lightning_module)
+            module = lightning().LlamaModule(build_in_init=True)
+            module.configure_model = lambda: None  # the strategy's parallelize_fn does it
+        t.fit(module, loader(8))
+        _assert_offloaded(module.model)
+        worst = max(max_abs_diff(w, ref[n]) for n, w in _trainer_weights(module).items())
+        assert worst <= ATOL_OFFLOAD * 10, worst
+        figures["meta" if meta else "eager"] = {"weight_diff": worst}
+    return figures
+
+
+def case_trainer_checkpoints_both_formats() -> dict[str, Any]:
+    from trainer_module import lightning, loader
+
+    figures = {}
+    for distributed in (True, False):
+        with tempfile.TemporaryDirectory() as tmp:
+            t = _trainer(max_steps=2, save_distributed_checkpoint=distributed, default_root_dir=tmp)
+            module = lightning().LlamaModule()
+            t.fit(module, loader(8))
+            path = Path(tmp) / ("sharded" if distributed else "full.ckpt")
+            t.save_checkpoint(path)
+            t2 = _trainer(max_steps=3, save_distributed_checkpoint=distributed, default_root_dir=tmp)
+            module2 = lightning().LlamaModule()
+            t2.fit(module2, loader(8), ckpt_path=path)
+            t3 = _trainer(max_steps=3, save_distributed_checkpoint=distributed, default_root_dir=tmp)
+            module3 = lightning().LlamaModule()
+            t3.fit(module3, loader(8))
+            a, b = _trainer_weights(module2), _trainer_weights(module3)
+            worst = max(max_abs_diff(a[n], b[n]) for n in a)
+            assert worst <= 1e-6, worst
+            figures["distributed" if distributed else "full"] = {"resume_vs_straight": worst}
+    return figures
+
+
+CASES = {
+    "mesh_access": case_mesh_access,
+    "meta_init": case_meta_init_equals_one_process_build,
+    "offload_meta": case_offload_fabric_meta_init,
+    "offload_eager": case_offload_fabric_eager_init,
+    "bf16_policy": case_bf16_policy_loss_close_to_autocast,
+    "init_module_dtypes": case_init_module_dtypes,
+    "save_load": case_save_load_both_formats,
+    "async_save": case_async_save_staging,
+    "clipping": case_clipping_cuda_and_offloaded_gradients,
+    "ddp_interchange": case_full_checkpoint_under_ddp_and_back,
+    "hf": case_hf_load_and_save_with_and_without_offload,
+    "offload_trainer": case_offload_trainer,
+    "trainer_checkpoints": case_trainer_checkpoints_both_formats,
+}
+
+
+def grid() -> dict[str, Any]:
+    return run_cases(CASES)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_distributed(grid, 1, timeout=900)
+
+
+def test_mesh_is_1x1_on_the_gpu_with_nccl(results: list[dict[str, Any]]) -> None:
+    figures = check(results, "mesh_access")
+    assert figures["backend"] == ("nccl" if on_cuda() else "gloo")
+
+
+def test_meta_init_on_cuda_equals_the_one_process_cuda_build_bit_for_bit(results: list[dict[str, Any]]) -> None:
+    check(results, "meta_init")
+
+
+def test_cpu_offload_with_meta_init_trains_like_the_gpu_model_from_fabric(results: list[dict[str, Any]]) -> None:
+    check(results, "offload_meta")
+
+
+def test_cpu_offload_without_meta_init_trains_like_the_gpu_model_from_fabric(results: list[dict[str, Any]]) -> None:
+    check(results, "offload_eager")
+
+
+def test_bf16_policy_gives_an_fp32_loss_close_to_autocast(results: list[dict[str, Any]]) -> None:
+    check(results, "bf16_policy")
+
+
+def test_init_module_gives_the_precision_dtype_on_the_gpu(results: list[dict[str, Any]]) -> None:
+    check(results, "init_module_dtypes")
+
+
+def test_checkpoints_round_trip_in_both_formats_on_the_gpu(results: list[dict[str, Any]]) -> None:
+    check(results, "save_load")
+
+
+def test_async_saves_stage_once_in_pinned_memory(results: list[dict[str, Any]]) -> None:
+    check(results, "async_save")
+
+
+def test_clipping_cuda_and_offloaded_gradients_equals_torch(results: list[dict[str, Any]]) -> None:
+    check(results, "clipping")
+
+
+def test_full_checkpoint_loads_under_ddp_and_back(results: list[dict[str, Any]]) -> None:
+    check(results, "ddp_interchange")
+
+
+def test_hf_load_and_save_pretrained_with_and_without_offload(results: list[dict[str, Any]]) -> None:
+    check(results, "hf")
+
+
+def test_cpu_offload_trains_through_the_trainer_with_and_without_meta_init(results: list[dict[str, Any]]) -> None:
+    check(results, "offload_trainer")
+
+
+def test_trainer_checkpoints_resume_exactly_in_both_formats_on_the_gpu(results: list[dict[str, Any]]) -> None:
+    check(results, "trainer_checkpoints")
