@@ -11,6 +11,14 @@ counted exactly once by a single all-reduce over all ranks. That is one collecti
 whatever the number of parameters and meshes. It assumes what the strategy guarantees: every mesh is a slice
 of one mesh over all ranks, and every rank holds the same parameters.
 
+Pending-sum (``Partial``) gradients need their sum before any norm (the norm of a sum is not a sum of norms).
+FSDP2 sums them itself before the optimizer sees them, so under the strategy's plans there are none; they
+arise with tensor parallelism alone (Hugging Face's per-head ``q_norm`` / ``k_norm``). Those that are
+``Partial`` or replicated on every axis ride in the same all-reduce: their local parts are appended to it, the
+sum over all ranks is their sum times ``world size / ranks summed``, and every rank then norms the whole
+gradient itself. So they cost no extra collective, only their size in the one all-reduce. A ``Partial``
+gradient that is also sharded on some axis is summed first (``redistribute``): one more collective each.
+
 The local work is batched and makes no copies: local shards are grouped by (device, dtype, weight); each
 group's norm comes from ``torch.nn.utils.get_total_norm`` (foreach kernels; per-tensor norms in the gradients'
 dtype, as torch's own clipping computes them); the few group norms are combined in fp32 (fp64 if any gradient
@@ -28,6 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from modelpar._collective import collective_device, collective_ready, group_device_types
+
 __all__ = ["clip_grad_norm", "clip_grad_value"]
 
 
@@ -39,39 +49,21 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 def _made_whole(grad: DTensor) -> DTensor:
     """A Partial (pending-sum) gradient summed first: its local parts are not disjoint pieces of it."""
     placements = [Replicate() if p.is_partial() else p for p in grad.placements]
-    return grad.redistribute(grad.device_mesh, placements)
+    whole = collective_ready(grad)  # a CPU-offloaded gradient goes to the mesh's device for the sum
+    return whole.redistribute(whole.device_mesh, placements)
 
 
-def _layout(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, bool]:
-    """How many distinct pieces a gradient with this layout is cut into once whole, and whether it is Partial.
+def _layout(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, int]:
+    """How many distinct pieces a gradient with this layout is cut into once whole, and how many ranks its
+    pending sum (``Partial``) runs over (0 when it is not ``Partial``).
 
     The pieces: the product of the sizes of the axes that are neither replicated nor Partial (a Partial axis is
     replicated once summed). "Not replicated" rather than ``is_shard()``: FSDP over TP uses a strided placement
     that is a shard in all but name (it reports ``is_shard() == False``).
     """
     sharded = (i for i, p in enumerate(placements) if not (p.is_replicate() or p.is_partial()))
-    return math.prod(mesh.size(i) for i in sharded), any(p.is_partial() for p in placements)
-
-
-def _communication_device(backend: str, device: torch.device) -> torch.device:
-    """Where a tensor on ``device`` must be for a collective on a process group with this ``backend``.
-
-    ``backend`` is what ``dist.get_backend_config(group)`` returns, one backend per device type
-    (``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"``), or a plain name as ``dist.get_backend(group)`` returns it
-    (``"nccl"``). A device the group serves is kept; otherwise the tensor goes to the group's first device type
-    (the current CUDA device for a CPU tensor under NCCL, as with CPU-offloaded gradients). A plain name torch
-    does not know is trusted with ``device``.
-    """
-    if ":" in backend:
-        device_types = [part.split(":", 1)[0] for part in backend.split(",")]
-    else:
-        device_types = dist.Backend.backend_capability.get(backend, [device.type])
-    if device.type in device_types:
-        return device
-    target = device_types[0]
-    if target == "cpu":
-        return torch.device("cpu")
-    return torch.device(target, torch.get_device_module(target).current_device())
+    summed = [mesh.size(i) for i, p in enumerate(placements) if p.is_partial()]
+    return math.prod(mesh.size(i) for i in sharded), math.prod(summed) if summed else 0
 
 
 @torch.no_grad()
@@ -85,18 +77,22 @@ def clip_grad_norm(
 
     Same contract as ``torch.nn.utils.clip_grad_norm_``, but correct for gradients spread over several meshes
     (and plain tensors). The returned norm is a plain tensor with the same value on every rank, on the device
-    and in the dtype of the first gradient.
+    and in the dtype of the first gradient. One all-reduce over all ranks per call, plus one per ``Partial``
+    gradient that is also sharded (see the module's docstring).
     """
     norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
     # Local tensors to norm, grouped by what their norms share: device, dtype and weight (distinct shards).
     groups: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = {}
+    # Partial gradients summed in the all-reduce itself: their local parts, by the ranks their sum runs over.
+    pending: dict[int, list[torch.Tensor]] = {}
     # What `clip_grads_with_norm_` scales through `.grad`: a parameter with a plain gradient as it is, a local
     # shard on a detached alias of itself (scaling each pending-sum part of a Partial gradient scales its sum).
     to_scale: list[torch.Tensor] = []
     first: torch.Tensor | None = None  # the first local gradient: the returned norm's device and dtype
     # Layouts by identity: gradients share mesh and placement objects, whose Python hashes cost ~1 us per
     # gradient. Each entry holds its objects, so no id can be reused while this call runs.
-    layouts: dict[tuple[int, int], tuple[DeviceMesh, tuple[Placement, ...], int, bool]] = {}
+    layouts: dict[tuple[int, int], tuple[DeviceMesh, tuple[Placement, ...], int, int]] = {}
     for param in parameters:
         grad = param.grad
         if grad is None:
@@ -110,9 +106,13 @@ def clip_grad_norm(
             cached = layouts.get((id(mesh), id(placements)))
             if cached is None:
                 cached = layouts[(id(mesh), id(placements))] = (mesh, placements, *_layout(mesh, placements))
-            _, _, shards, partial = cached
-            normed = _made_whole(grad).to_local() if partial else local
-            key = (local.device, local.dtype, shards)
+            _, _, shards, summed = cached
+            if summed and shards == 1:  # Partial, else replicated: its sum rides in the one all-reduce
+                pending.setdefault(summed, []).append(local)
+                first = local if first is None else first
+                continue
+            normed = _made_whole(grad).to_local() if summed else local
+            key = (normed.device, local.dtype, shards)
         else:
             to_scale.append(param)
             normed = local = grad
@@ -123,17 +123,38 @@ def clip_grad_norm(
     if first is None:
         return torch.tensor(0.0)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    comm_device = _communication_device(dist.get_backend_config(), first.device) if world > 1 else first.device
-    acc_dtype = torch.float64 if any(dtype == torch.float64 for _, dtype, _ in groups) else torch.float32
+    comm_device = collective_device(first.device, group_device_types(first.device)) if world > 1 else first.device
+    dtypes = {dtype for _, dtype, _ in groups} | {t.dtype for parts in pending.values() for t in parts}
+    acc_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     parts = [torch.zeros((), dtype=acc_dtype, device=comm_device)]  # for a rank whose shards are all empty
     for (_, _, shards), tensors in groups.items():
         norm = torch.nn.utils.get_total_norm(tensors, norm_type).to(comm_device, acc_dtype)
-        parts.append(norm if math.isinf(norm_type) else norm.pow(norm_type) * (shards / world))
+        parts.append(norm if inf else norm.pow(norm_type) * (shards / world))
     stacked = torch.stack(parts)
-    acc = stacked.max() if math.isinf(norm_type) else stacked.sum()  # copies do not change a maximum
+    acc = stacked.max() if inf else stacked.sum()  # copies do not change a maximum
+    # What the all-reduce sums: the local sum of p-th powers (the inf-norm: each rank's maximum in its own slot,
+    # so that a sum gathers them), then the Partial gradients' local parts.
+    head = world if inf and pending else 1
+    size = sum(t.numel() for tensors in pending.values() for t in tensors)
+    buffer = torch.zeros(head + size, dtype=acc_dtype, device=comm_device)
+    buffer[dist.get_rank() if head > 1 else 0] = acc
+    offset = head
+    for tensors in pending.values():
+        for t in tensors:
+            buffer[offset : offset + t.numel()].copy_(t.reshape(-1))  # to the buffer's device and dtype
+            offset += t.numel()
     if world > 1:
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
-    total = (acc if math.isinf(norm_type) else acc.pow(1.0 / norm_type)).to(first.device, first.dtype)
+        op = dist.ReduceOp.MAX if inf and not pending else dist.ReduceOp.SUM
+        dist.all_reduce(buffer, op=op)
+    acc = buffer[:head].max() if inf else buffer[0]
+    offset = head
+    for summed, tensors in pending.items():  # each summed over all ranks: its whole, times world / summed
+        size = sum(t.numel() for t in tensors)
+        whole = buffer[offset : offset + size].mul_(summed / world)
+        offset += size
+        norm = torch.linalg.vector_norm(whole, norm_type)
+        acc = torch.maximum(acc, norm) if inf else acc + norm.pow(norm_type)
+    total = (acc if inf else acc.pow(1.0 / norm_type)).to(first.device, first.dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is {total.item()}, so they cannot be"

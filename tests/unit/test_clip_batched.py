@@ -1,10 +1,10 @@
-"""Batched clipping on plain tensors (many tensors, mixed dtypes) and the choice of communication device."""
+"""Batched clipping on plain tensors: many tensors, mixed dtypes, empty ones (the communication device:
+``test_collective_device.py``)."""
 
 import pytest
 import torch
 
 from modelpar import clip_grad_norm
-from modelpar._clip import _communication_device
 
 
 def _many_params(n, dtypes=(torch.float32,), seed=0):
@@ -67,27 +67,6 @@ def test_inf_gradient_raises_with_the_fix_and_scales_anyway_when_allowed():
     torch.testing.assert_close(got, want)
     for a, b in zip(ps, theirs, strict=True):
         torch.testing.assert_close(a.grad, b.grad, equal_nan=True)
-
-
-@pytest.mark.parametrize(
-    ("backend", "device", "expected"),
-    [
-        ("gloo", "cpu", "cpu"),
-        ("gloo", "cuda:1", "cuda:1"),  # gloo reduces CUDA tensors too: no copy
-        ("nccl", "cuda:2", "cuda:2"),
-        ("nccl", "cpu", "cuda:3"),  # CPU-offloaded gradients go to the current CUDA device
-        ("cpu:gloo,cuda:gloo", "cuda:1", "cuda:1"),  # what get_backend_config() says for "gloo"
-        ("cpu:gloo,cuda:nccl", "cpu", "cpu"),
-        ("cpu:gloo,cuda:nccl", "cuda:0", "cuda:0"),
-        ("cuda:nccl", "cpu", "cuda:3"),  # what get_backend_config() says for "nccl"
-        ("xccl", "cpu", "xpu:3"),
-        ("my_backend", "cpu", "cpu"),  # a backend torch does not know is trusted with the tensor's device
-    ],
-)
-def test_communication_device_follows_the_process_group_backend(monkeypatch, backend, device, expected):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.xpu, "current_device", lambda: 3)
-    assert _communication_device(backend, torch.device(device)) == torch.device(expected)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])

@@ -2,9 +2,10 @@
 
 Collective: every rank walks the model's tensors in the same order and gathers each in turn
 (``DTensor.full_tensor()``); rank 0 writes it into its safetensors file and drops it before the next. So no
-rank ever holds more than one full tensor beyond its shards. Rank 0 writes into a staging folder and renames
-it into place at the end; a failure on rank 0 (a full disk) does not stop the others mid-way: they finish
-the gathers, and all ranks then raise it together.
+rank ever holds more than one full tensor beyond its shards. A CPU-offloaded shard is copied to its mesh's
+device for its gather (NCCL cannot communicate CPU tensors), also one at a time. Rank 0 writes into a staging
+folder and renames it into place at the end; a failure on rank 0 (a full disk) does not stop the others
+mid-way: they finish the gathers, and all ranks then raise it together.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from modelpar._collective import collective_ready
 from modelpar.checkpoint._agree import agree
 from modelpar.checkpoint._progress import Progress
 from modelpar.hf._files import Entry, parse_size
@@ -75,7 +77,8 @@ def save_pretrained(
     agree(f"Preparing the export to {str(dst)!r}", error)
     bar = Progress(progress and writing, len(entries), sum(e.nbytes for e in entries))
     for entry, tensor in zip(entries, tensors, strict=True):
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective: every rank
+        # A collective on every rank, on the mesh's device: CPU-offloaded shards are copied there first.
+        full = collective_ready(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor
         if export is not None and error is None:
             try:
                 export.write(full.detach())
