@@ -25,7 +25,15 @@ from modelpar._errors import MeshSizeError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["HSDP_MESH_AXES", "MESH_AXES", "MeshLayout", "SizeArg", "check_size_arg", "fsdp_mesh"]
+__all__ = [
+    "HSDP_MESH_AXES",
+    "MESH_AXES",
+    "MeshLayout",
+    "SizeArg",
+    "check_size_arg",
+    "fsdp_mesh",
+    "world_group_reusable",
+]
 
 #: Axis names of the 2-D mesh, outermost first. Data parallel is outermost so that tensor-parallel peers
 #: are neighbouring ranks (on one node, with "auto"), where the frequent TP collectives are cheapest.
@@ -199,21 +207,59 @@ class MeshLayout:
 
         Needs the default process group to exist already. Every group the mesh creates gets ``timeout`` (with NCCL
         and gloo): left alone, ``init_device_mesh`` gives its sub-groups torch's default instead of the strategy's, so a
-        hang inside a tensor-parallel collective would outlast the timeout the user set.
+        hang inside a tensor-parallel collective would outlast the timeout the user set. An axis over all ranks
+        (``1 x N``, ``N x 1``) is the default group itself when that group already has ``backend`` and ``timeout``
+        (the strategy creates it so): a second communicator over every rank would cost memory on each GPU and
+        nothing else.
         """
+        import torch
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        def override() -> Any:  # fresh options per axis: torch writes each group's name and ranks into them
+        from modelpar._distributed import group_timeout
+
+        world = dist.get_world_size()
+        reusable = world_group_reusable(
+            default_backend=dist.get_backend(),
+            default_timeout=group_timeout(device_type),
+            backend=backend,
+            timeout=timeout,
+            cuda_available=torch.cuda.is_available(),
+        )
+
+        def override(size: int) -> Any:  # fresh options per axis: torch writes each group's name and ranks into them
+            if reusable and size == world:
+                return None  # init_device_mesh takes the default group for an axis over all ranks with no override
             options = group_options(backend, timeout)
             return (backend, options) if options is not None else None
 
-        overrides: dict[int | str, Any] = {name: override() for name in self.axes}
-        by_axis: dict[int | str, Any] | None = overrides if all(overrides.values()) else None
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=by_axis)
+        overrides = {name: override(size) for name, size in zip(self.axes, self.shape, strict=True)}
+        by_axis: dict[int | str, Any] = {name: value for name, value in overrides.items() if value is not None}
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=by_axis or None)
         if self.hsdp:
             # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
-            mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=override())
+            mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=override(self.data_parallel_size))
         return mesh
+
+
+def world_group_reusable(
+    *,
+    default_backend: str,
+    default_timeout: timedelta | None,
+    backend: str,
+    timeout: timedelta,
+    cuda_available: bool,
+) -> bool:
+    """Whether a mesh axis over all ranks can be the default process group rather than a new one.
+
+    Only if that group communicates as the mesh must (the same ``backend``) and gives up after the same
+    ``timeout`` (``default_timeout``: ``None`` where it cannot be read). ``init_device_mesh`` itself refuses
+    a gloo default group on a machine with CUDA (it creates a group for the mesh's device), and then that group
+    needs the timeout override.
+    """
+    if default_backend != backend or default_timeout != timeout:
+        return False
+    return not (cuda_available and backend == "gloo")
 
 
 def group_options(backend: str, timeout: timedelta) -> Any:

@@ -7,7 +7,9 @@ runs a grid of cases; each case raises on a mismatch, so the harness reports the
 
 from __future__ import annotations
 
+import importlib
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import run_distributed
+from harness import PG_TIMEOUT, run_distributed
+from modelpar import ModelParallelStrategy
+from modelpar._distributed import group_timeout
 from modelpar.models import Llama
+from modelpar.plans import parallelize_llama
 from parity import (
     CFG,
     FABRIC_NAMESPACES,
@@ -42,7 +47,7 @@ def case_training_matches_reference(dp: Any, tp: Any, world_size: int, num_nodes
     fabric = make_fabric(dp, tp, world_size=world_size, num_nodes=num_nodes)
     mesh = fabric.strategy.device_mesh
     model, optimizer, ref, ref_opt = setup_pair(fabric)
-    losses, grad_diff, weight_diff = [], 0.0, 0.0
+    losses, local_losses, grad_diff, weight_diff = [], [], 0.0, 0.0
     for x, y in global_batches(STEPS):
         loss = lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y))
         fabric.backward(loss)
@@ -56,11 +61,13 @@ def case_training_matches_reference(dp: Any, tp: Any, world_size: int, num_nodes
         optimizer.zero_grad()
         ref_opt.zero_grad()
         weight_diff = max(weight_diff, assert_matches(model, ref, "param"))
-        losses.append(ref_loss.item())
+        losses.append(global_loss.item())  # the parallel model's, not the reference's: each rank has its own
+        local_losses.append(loss.item())
     return {
         "mesh": tuple(mesh.shape),
         "axes": mesh.mesh_dim_names,
         "losses": losses,
+        "local_losses": local_losses,
         "grad_diff": grad_diff,
         "weight_diff": weight_diff,
         "sampler": fabric.strategy.distributed_sampler_kwargs,
@@ -248,6 +255,29 @@ def case_collectives(world_size: int, num_nodes: int = 1) -> dict[str, Any]:
     return {"mean": mean, "sum": total, "tp_sum": tp_sum, "bcast": obj["from"]}
 
 
+def case_axis_over_all_ranks_is_the_default_group(namespace: str, dp: int, tp: int) -> dict[str, Any]:
+    """On 2x1 and 1x2 the axis of size 2 spans the world: it is the default group (same backend and timeout),
+    not a second communicator over every rank; with another timeout it gets its own group, with that timeout."""
+    world_axis, other_axis = ("data_parallel", "tensor_parallel") if dp == 2 else ("tensor_parallel", "data_parallel")
+    mesh = make_fabric(dp, tp, world_size=2).strategy.device_mesh
+    assert group_timeout("cpu") == PG_TIMEOUT  # the default group has the strategy's timeout
+    out = {
+        "world_axis_is_default": mesh.get_group(world_axis) is dist.group.WORLD,
+        "other_axis_timeout": group_timeout("cpu", mesh.get_group(other_axis)),
+    }
+    other_timeout = PG_TIMEOUT + timedelta(seconds=1)
+    strategy = ModelParallelStrategy(parallelize_llama, dp, tp, timeout=other_timeout)
+    fabric = importlib.import_module(namespace).Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    group = fabric.strategy.device_mesh.get_group(world_axis)
+    out["other_timeout_is_default"] = group is dist.group.WORLD
+    out["other_timeout_group_timeout"] = group_timeout("cpu", group)
+    t = torch.ones(())
+    dist.all_reduce(t, group=group)  # the group works
+    out["other_timeout_sum"] = t.item()
+    return out
+
+
 def case_checkpoint_round_trip_continues_like_reference(root: Path, dp: int, tp: int) -> list[str]:
     """`fabric.save` / `fabric.load` in both formats restore model, optimizer and extras; training goes on
     exactly like the reference (under each Lightning namespace, so checkpoints work the same in both)."""
@@ -290,6 +320,7 @@ def grid_two_processes(namespace: str, root: Path) -> dict[str, Any]:
         out[f"clip_{dp}x{tp}"] = case_clipping_matches_reference(dp, tp, 2)
         out[f"sync_{dp}x{tp}"] = case_no_backward_sync_accumulates_and_restores(dp, tp, 2)
         out[f"meta_{dp}x{tp}"] = case_meta_init_materializes_consistently(dp, tp, 2)
+        out[f"world_axis_{dp}x{tp}"] = case_axis_over_all_ranks_is_the_default_group(namespace, dp, tp)
     out["errors"] = case_setup_errors(2)
     out["collectives"] = case_collectives(2)
     return out
@@ -334,7 +365,12 @@ def test_training_on_two_processes_matches_single_process_reference(two_process_
     dp, tp = (int(v) for v in layout.split("x"))
     assert all(r["mesh"] == (dp, tp) and r["axes"] == ("data_parallel", "tensor_parallel") for r in results)
     assert results[0]["losses"][-1] < results[0]["losses"][0], "training must make progress"
-    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert all(r["losses"] == results[0]["losses"] for r in results), "the parallel model's mean loss differs"
+    local = [r["local_losses"] for r in results]
+    if tp == 2:  # tensor-parallel peers compute the loss of the same batch from the same (gathered) logits
+        assert local[0] == local[1], f"tensor-parallel peers disagree on the loss: {local}"
+    else:  # data-parallel ranks see different halves of the batch
+        assert local[0] != local[1], f"data-parallel ranks computed the same loss: {local}"
     if dp == 2:
         assert [r["sampler"] for r in results] == [{"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}]
     else:  # tensor-parallel peers get the same batches
@@ -410,3 +446,14 @@ def test_checkpoints_round_trip_across_layouts_and_training_continues_like_refer
     assert all(r["checkpoints"] == ["2x1->1x2 distributed", "2x1->1x2 full"] for r in two_process_results), (
         two_process_results[0]["checkpoints"]
     )
+
+
+@pytest.mark.parametrize("layout", ["2x1", "1x2"])
+def test_a_mesh_axis_over_all_ranks_is_the_default_group_unless_its_timeout_differs(two_process_results, layout):
+    for r in two_process_results:
+        got = r[f"world_axis_{layout}"]
+        assert got["world_axis_is_default"], "a second communicator over all ranks was created"
+        assert got["other_axis_timeout"] == PG_TIMEOUT
+        assert not got["other_timeout_is_default"]
+        assert got["other_timeout_group_timeout"] == PG_TIMEOUT + timedelta(seconds=1)
+        assert got["other_timeout_sum"] == 2.0

@@ -1,8 +1,11 @@
 """Mesh size resolution and its error messages (pure arithmetic, no process group)."""
 
+from datetime import timedelta
+
 import pytest
 
 from modelpar import MeshLayout, MeshSizeError
+from modelpar._mesh import world_group_reusable
 
 
 def resolve(dp, tp, world=4, nodes=1, per_node=4):
@@ -103,3 +106,30 @@ def test_a_replicate_size_that_does_not_divide_data_parallel_lists_the_choices()
     )
     with pytest.raises(MeshSizeError, match=r"`data_parallel_replicate_size=0` is not a valid size"):
         MeshLayout.resolve(4, 1, world_size=4, num_nodes=1, devices_per_node=4, data_parallel_replicate_size=0)
+
+
+_MINUTE = timedelta(minutes=1)
+
+
+@pytest.mark.parametrize(
+    ("default_backend", "default_timeout", "backend", "cuda", "reusable"),
+    [
+        ("nccl", _MINUTE, "nccl", True, True),  # the strategy's own default group: one communicator over all ranks
+        ("gloo", _MINUTE, "gloo", False, True),
+        ("nccl", timedelta(minutes=2), "nccl", True, False),  # another timeout: the axis gets its own group
+        ("nccl", None, "nccl", True, False),  # a timeout that cannot be read is not assumed equal
+        ("gloo", _MINUTE, "nccl", True, False),  # a user's gloo group cannot serve a NCCL mesh
+        ("gloo", _MINUTE, "gloo", True, False),  # init_device_mesh makes a new group here anyway: keep the timeout
+    ],
+)
+def test_an_axis_over_all_ranks_reuses_the_default_group_only_when_it_communicates_alike(
+    default_backend, default_timeout, backend, cuda, reusable
+):
+    got = world_group_reusable(
+        default_backend=default_backend,
+        default_timeout=default_timeout,
+        backend=backend,
+        timeout=_MINUTE,
+        cuda_available=cuda,
+    )
+    assert got is reusable
