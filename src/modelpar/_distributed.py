@@ -42,7 +42,6 @@ __all__ = [
     "cuda_device_index",
     "default_backend",
     "detect_cluster",
-    "group_timeout",
     "init_process_group",
 ]
 
@@ -85,21 +84,6 @@ def init_process_group(
         **kwargs,
     )
     atexit.register(_destroy_at_exit)
-
-
-def group_timeout(device_type: str, group: Any = None) -> timedelta | None:
-    """The timeout of ``group``'s backend (the default group's: ``None``) for ``device_type``; ``None`` if unknown.
-
-    Read from the backend's options, where torch keeps it (no public getter in torch 2.13/2.14): the mesh
-    reuses the default group for an axis over all ranks only if this is the strategy's timeout.
-    """
-    try:
-        pg: Any = group if group is not None else dist.group.WORLD
-        options = pg._get_backend(torch.device(device_type)).options
-        timeout = options._timeout
-    except (AttributeError, RuntimeError, ValueError):  # no such backend for the device, or another torch
-        return None
-    return timeout if isinstance(timeout, timedelta) else None
 
 
 def _destroy_at_exit() -> None:

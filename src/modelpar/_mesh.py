@@ -32,6 +32,7 @@ __all__ = [
     "SizeArg",
     "check_size_arg",
     "fsdp_mesh",
+    "group_timeout",
     "world_group_reusable",
 ]
 
@@ -216,8 +217,6 @@ class MeshLayout:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from modelpar._distributed import group_timeout
-
         world = dist.get_world_size()
         reusable = world_group_reusable(
             default_backend=dist.get_backend(),
@@ -278,6 +277,23 @@ def group_options(backend: str, timeout: timedelta) -> Any:
         return None
     options._timeout = timeout
     return options
+
+
+def group_timeout(device_type: str, group: Any = None) -> timedelta | None:
+    """The timeout of ``group``'s backend (the default group's: ``None``) for ``device_type``; ``None`` if unknown.
+
+    Read from the backend's options, where torch keeps it (no public getter in torch 2.13/2.14), to reuse the
+    default group for an axis over all ranks only when this is the strategy's timeout.
+    """
+    import torch
+    import torch.distributed as dist
+
+    try:
+        pg: Any = group if group is not None else dist.group.WORLD
+        timeout = pg._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # no such backend for the device, or another torch
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
