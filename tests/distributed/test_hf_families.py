@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 pytest.importorskip("transformers")
@@ -24,6 +25,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -43,6 +45,16 @@ FAMILIES: dict[str, Any] = {
     "qwen3": lambda: Qwen3Config(head_dim=8, **TINY_SIZES),
     "mistral": lambda: MistralConfig(**TINY_SIZES),
 }
+
+
+def tiny_gpt_oss() -> Any:
+    """GPT-OSS, whose Hugging Face tensor-parallel plan (transformers 5.23) covers only its LM head."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": TINY_SIZES["max_position_embeddings"],
+    }
+    return GptOssConfig(**TINY_SIZES, head_dim=8, num_local_experts=2, num_experts_per_tok=1, rope_parameters=rope)
 
 
 def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str, Any]:
@@ -86,8 +98,27 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     return out
 
 
+def case_a_plan_sharding_no_layer_is_refused_on_every_rank(dp: int, tp: int) -> dict[str, Any]:
+    """plan_for(GPT-OSS) at tensor_parallel_size=2: every rank raises before any collective; the group lives on."""
+    with torch.device("meta"):
+        plan = plan_for(AutoModelForCausalLM.from_config(tiny_gpt_oss()))
+    fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=plan)
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_config(tiny_gpt_oss())
+    try:
+        fabric.setup_module(model)
+    except ValueError as err:
+        error = f"{type(err).__name__}: {err}"
+    else:
+        error = "no error"
+    t = torch.ones(())
+    dist.all_reduce(t)  # no rank is left inside a collective: the next one runs on all four
+    return {"error": error, "sum": t.item()}
+
+
 def grid(root: Path) -> dict[str, Any]:
     cases = {
+        "gpt_oss_refused_2x2": lambda: case_a_plan_sharding_no_layer_is_refused_on_every_rank(2, 2),
         "llama_2x2": lambda: case(root / "llama", 2, 2, steps=3),
         "qwen2_2x2": lambda: case(root / "qwen2", 2, 2, steps=2),
         "qwen3_2x2": lambda: case(root / "qwen3", 2, 2, steps=3),
@@ -150,6 +181,15 @@ def test_loss_parallel_keeps_hugging_face_logits_vocab_sharded_also_under_hsdp(r
     assert hsdp["mesh"] == (2, 1, 2) and hsdp["logits"] == [str(Shard(2))]
 
 
+def test_a_plan_for_gpt_oss_is_refused_with_tensor_parallelism_on_every_rank(results):
+    for r in results:
+        got = r["gpt_oss_refused_2x2"]
+        assert got["sum"] == 4.0
+        assert got["error"].startswith(
+            "ValueError: tensor_parallel_size=2, but the plan for GptOssForCausalLM shards only 'lm_head'"
+        ), got["error"]
+
+
 def _meta_model(config: Any) -> Any:
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -197,3 +237,24 @@ def test_plan_for_head_counts_are_checked_before_anything_is_sharded():
     model = _meta_model(LlamaConfig(**{**TINY_SIZES, "num_key_value_heads": 1}))
     with pytest.raises(ValueError, match=r"does not divide config\.num_key_value_heads=1 \(heads\)"):
         plan_for(model).check(model, 2)
+
+
+def test_plan_for_a_model_whose_hugging_face_plan_covers_only_the_lm_head_is_refused_with_tensor_parallelism():
+    model = _meta_model(tiny_gpt_oss())
+    plan = plan_for(model)
+    assert dict(plan.tensor_parallel) == {"lm_head": "output"} and plan.fsdp_units == ("model.layers.*",)
+    plan.check(model, 1)  # FSDP alone replicates nothing: fine
+    with pytest.raises(ValueError) as err:
+        plan.check(model, 2)
+    assert str(err.value) == (
+        "tensor_parallel_size=2, but the plan for GptOssForCausalLM shards only 'lm_head' across the tensor-parallel"
+        " ranks and no decoder layer ('model.layers.*'): every layer would be replicated on each of the 2 ranks, so"
+        " memory per rank grows with the tensor-parallel size instead of shrinking. The model's own Hugging Face"
+        " tensor-parallel plan, which `modelpar.hf.plan_for` reads, covers no decoder layer either"
+        " (`config.base_model_tp_plan`: {}, `GptOssForCausalLM._tp_plan`: {'lm_head': 'colwise_gather_output'})."
+        " Use `tensor_parallel_size=1` (FSDP over all ranks), or write a `modelpar.plans.ParallelPlan` whose"
+        " `tensor_parallel` splits the layers' projections (e.g. {'model.layers.*.self_attn.q_proj': 'colwise',"
+        " 'model.layers.*.self_attn.o_proj': 'rowwise', ...})."
+    )
+    # A hand-written plan that splits the attention projections of the same model is accepted.
+    plan.replace(tensor_parallel={**plan.tensor_parallel, "model.layers.*.self_attn.q_proj": "colwise"}).check(model, 2)

@@ -19,7 +19,14 @@ from torch import nn
 from modelpar._errors import UnsupportedStyleError
 from modelpar.plans._styles import COLUMN_STYLES, STYLES, StyleSpec, sharded_dims
 
-__all__ = ["HEAD_COUNT_ATTRIBUTES", "check_divisible", "matches", "resolve_styles", "resolve_units"]
+__all__ = [
+    "HEAD_COUNT_ATTRIBUTES",
+    "check_divisible",
+    "check_layers_sharded",
+    "matches",
+    "resolve_styles",
+    "resolve_units",
+]
 
 #: Config attributes that count attention heads (torchtitan / this package, Hugging Face); TP splits heads.
 HEAD_COUNT_ATTRIBUTES = ("n_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
@@ -143,6 +150,47 @@ def check_divisible(model: nn.Module, styles: Mapping[str, StyleSpec], tensor_pa
     raise ValueError(
         f"tensor_parallel_size={tensor_parallel_size} must divide every dimension the plan splits across the"
         f" tensor-parallel ranks, but it does not divide {problems}. {fix}"
+    )
+
+
+#: Style names that split no weight across the tensor-parallel ranks (they only move activations).
+_NOT_SHARDING = ("norm", "sequence_gather")
+
+
+def check_layers_sharded(
+    model: nn.Module, styles: Mapping[str, StyleSpec], units: Iterable[str], tensor_parallel_size: int
+) -> None:
+    """With tensor parallelism on, some FSDP unit (a decoder layer) must have a weight the plan splits.
+
+    Otherwise every layer is replicated on each tensor-parallel rank (FSDP shards only over the data-parallel
+    ones), so memory per rank grows with the TP size while the run looks parallel. Such a plan is refused. A
+    plan with no FSDP units names no layers, so it is not judged.
+    """
+    units = list(units)
+    if tensor_parallel_size <= 1 or not units:
+        return
+    sharding = [name for name, style in styles.items() if not (isinstance(style, str) and style in _NOT_SHARDING)]
+    if any(name == unit or name.startswith(unit + ".") for name in sharding for unit in units):
+        return
+    generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in units})
+    covered = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in sharding})
+    what = f"only {', '.join(map(repr, covered))}" if covered else "no submodule"
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None)
+    source = (
+        " The model's own Hugging Face tensor-parallel plan, which `modelpar.hf.plan_for` reads, covers no decoder"
+        f" layer either (`config.base_model_tp_plan`: {base_plan or {}}, `{type(model).__name__}._tp_plan`:"
+        f" {getattr(type(model), '_tp_plan', None) or {}})."
+        if config is not None and hasattr(config, "base_model_tp_plan") and not base_plan
+        else ""
+    )
+    raise ValueError(
+        f"tensor_parallel_size={tensor_parallel_size}, but the plan for {type(model).__name__} shards {what} across"
+        f" the tensor-parallel ranks and no decoder layer ({', '.join(map(repr, generic))}): every layer would be"
+        f" replicated on each of the {tensor_parallel_size} ranks, so memory per rank grows with the"
+        f" tensor-parallel size instead of shrinking.{source} Use `tensor_parallel_size=1` (FSDP over all ranks),"
+        " or write a `modelpar.plans.ParallelPlan` whose `tensor_parallel` splits the layers' projections (e.g."
+        " {'model.layers.*.self_attn.q_proj': 'colwise', 'model.layers.*.self_attn.o_proj': 'rowwise', ...})."
     )
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from modelpar._fsdp import fsdp_kwargs
 from modelpar.plans._checkpointing import checkpoint_module
-from modelpar.plans._checks import check_divisible, resolve_styles, resolve_units
+from modelpar.plans._checks import check_divisible, check_layers_sharded, resolve_styles, resolve_units
 from modelpar.plans._styles import STYLES, StyleSpec, apply_style
 
 __all__ = ["ActivationCheckpointing", "ParallelPlan"]
@@ -165,7 +165,9 @@ class ParallelPlan:
         column-parallel projection sits under a ``"sequence_gather"`` container; each dimension a style splits
         (``out_features`` for the column-parallel styles, ``in_features`` for ``"rowwise"``, ``num_embeddings``
         for ``"embedding"``) and the head counts in ``model.config`` (``n_heads``, ``num_attention_heads``,
-        ``n_kv_heads``, ``num_key_value_heads``) divide by ``tensor_parallel_size``. Errors are ``ValueError``
+        ``n_kv_heads``, ``num_key_value_heads``) divide by ``tensor_parallel_size``; with
+        ``tensor_parallel_size > 1``, a style splits a weight inside some FSDP unit (a decoder layer), since
+        otherwise every layer is replicated on each tensor-parallel rank. Errors are ``ValueError``
         unless said otherwise. Works on a meta-device model with no process group, identically on every rank.
         """
         self._resolve(model, tensor_parallel_size)
@@ -174,6 +176,7 @@ class ParallelPlan:
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         units = resolve_units(model, self.fsdp_units)
         check_divisible(model, styles, tensor_parallel_size)
+        check_layers_sharded(model, styles, units, tensor_parallel_size)
         return styles, units
 
     def __call__(self, model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
