@@ -19,11 +19,12 @@ sum over all ranks is their sum times ``world size / ranks summed``, and every r
 gradient itself. So they cost no extra collective, only their size in the one all-reduce. A ``Partial``
 gradient that is also sharded on some axis is summed first (``redistribute``): one more collective each.
 
-The local work is batched and makes no copies: local shards are grouped by (device, dtype, weight); each
-group's norm comes from ``torch.nn.utils.get_total_norm`` (foreach kernels; per-tensor norms in the gradients'
-dtype, as torch's own clipping computes them); the few group norms are combined in fp32 (fp64 if any gradient
-is fp64) on the device the process group communicates on, so CPU-offloaded gradients never reach NCCL; and
-``torch.nn.utils.clip_grads_with_norm_`` scales the local shards in place.
+The local work is batched and copies nothing but those Partial gradients: local shards are grouped by (device,
+dtype, weight); each group's norm comes from ``torch.nn.utils.get_total_norm`` (foreach kernels; per-tensor
+norms in the gradients' dtype, as torch's own clipping computes them); the few group norms are combined in fp32
+(fp64 if any gradient is fp64) on the device the process group communicates on (``modelpar._collective``), so
+CPU-offloaded gradients never reach NCCL; and ``torch.nn.utils.clip_grads_with_norm_`` scales the local shards
+in place.
 """
 
 from __future__ import annotations
