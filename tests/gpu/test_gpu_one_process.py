@@ -113,7 +113,9 @@ def case_mesh_access() -> dict[str, Any]:
     assert mesh.device_type == device().type
     assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     assert fabric.device == device()
-    return {"backend": torch.distributed.get_backend()}
+    # Both axes span the (one-rank) world: they are the default group, not new communicators (read under NCCL).
+    reused = [axis for axis in mesh.mesh_dim_names if mesh.get_group(axis) is torch.distributed.group.WORLD]
+    return {"backend": torch.distributed.get_backend(), "axes_on_default_group": reused}
 
 
 def case_meta_init_equals_one_process_build() -> dict[str, Any]:
@@ -325,6 +327,13 @@ def case_hf_load_and_save_with_and_without_offload() -> dict[str, Any]:
                 got = model(tokens).logits
             load_diff = max_abs_diff(got, want)
             assert load_diff <= 1e-5, load_diff
+            if offload:  # NCCL cannot gather CPU shards: the export moves each one to the GPU first
+                from modelpar._collective import collective_ready
+
+                shard = next(p for p in model.parameters() if isinstance(p, DTensor))
+                ready = collective_ready(shard)
+                assert shard.to_local().device.type == "cpu" and ready.to_local().device == device(), ready.device
+                assert ready.placements == shard.placements and ready.shape == shard.shape
             out = Path(tmp) / f"export-{offload}"
             modelpar.hf.save_pretrained(model, out)
             back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device())
@@ -421,9 +430,10 @@ def results() -> list[dict[str, Any]]:
     return run_distributed(grid, 1, timeout=900)
 
 
-def test_mesh_is_1x1_on_the_gpu_with_nccl(results: list[dict[str, Any]]) -> None:
+def test_mesh_is_1x1_on_the_gpu_with_nccl_and_reuses_the_default_group(results: list[dict[str, Any]]) -> None:
     figures = check(results, "mesh_access")
     assert figures["backend"] == ("nccl" if on_cuda() else "gloo")
+    assert figures["axes_on_default_group"] == ["data_parallel", "tensor_parallel"], figures
 
 
 def test_meta_init_on_cuda_equals_the_one_process_cuda_build_bit_for_bit(results: list[dict[str, Any]]) -> None:
