@@ -17,21 +17,22 @@ import torch.distributed as dist
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from modelpar._clip import clip_grad_norm, clip_grad_value
 from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
 from modelpar._fsdp import FSDPOptions, handed_out, register_mesh
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
-from modelpar._materialize import materialize_module
+from modelpar._materialize import has_meta_tensors
 from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, SizeArg, check_size_arg
+from modelpar._placement import materialize, move_to_device, offloads
 from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["ParallelCore", "ParallelizeFn"]
 
@@ -42,6 +43,9 @@ ParallelizeFn = Callable[[Any, "DeviceMesh"], Any]
 #: (so the module still copies and pickles). Like FSDP2's own state, it lives on the module, so any strategy
 #: in the process knows not to parallelize or initialize it again.
 _SET_UP_ON = "_modelpar_set_up_on"
+#: Attribute ``setup_module`` sets beside it: whether the parameters ``fully_shard`` manages are offloaded to the
+#: CPU, so later materialization and ``module_to_device`` leave them in host memory (see ``modelpar._placement``).
+_OFFLOADS = "_modelpar_offloads"
 
 
 class ParallelCore:
@@ -212,12 +216,13 @@ class ParallelCore:
         return stack
 
     def setup_module(self, module: TModel, root_device: torch.device) -> TModel:
-        """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors on ``root_device``.
+        """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors where they belong.
 
-        Once per module: a module set up before (a second Trainer run, a new strategy on the same layout) is
-        neither parallelized again nor re-initialized; only tensors it gained on the meta device since are
-        materialized (real ones keep their values). It must be on a mesh of the same layout and ranks, as modules
-        cannot be re-sharded in place.
+        That is ``root_device``, except the shards of FSDP units that offload to the CPU, which are materialized
+        in host memory (see ``modelpar._placement``). Once per module: a module set up before (a second Trainer
+        run, a new strategy on the same layout) is neither parallelized again nor re-initialized; only tensors it
+        gained on the meta device since are materialized (real ones keep their values). It must be on a mesh of
+        the same layout and ranks, as modules cannot be re-sharded in place.
         """
         reject_fsdp1_modules(module, self.strategy_name)
         mesh_key = _mesh_key(self.device_mesh)
@@ -229,7 +234,8 @@ class ParallelCore:
                     f" {_describe(mesh_key)}; a parallelized module cannot be re-sharded in place. Use the layout it"
                     " was set up on, or save a checkpoint and load it into a new module on this layout."
                 )
-            materialize_module(module, root_device)  # only what is on the meta device; trained tensors are kept
+            # only what is on the meta device; trained tensors are kept
+            materialize(module, root_device, offload=getattr(module, _OFFLOADS, False))
             return module
         if self.parallelize_fn is not None:
             fn_name = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
@@ -240,18 +246,32 @@ class ParallelCore:
                     f" {type(result).__name__}. End it with `return model`."
                 )
             module = result  # type: ignore[assignment]
-        self._check_fsdp_applied(module)
-        materialize_module(module, root_device)
+        offloading = self._check_fsdp_applied(module)
+        offload = offloads(
+            offloading, root_device=root_device, has_meta=has_meta_tensors(module), strategy_name=self.strategy_name
+        )
+        materialize(module, root_device, offload=offload)
         self._warn_if_unsharded(module)
         setattr(module, _SET_UP_ON, mesh_key)
+        setattr(module, _OFFLOADS, offload)
         return module
 
-    def _check_fsdp_applied(self, module: nn.Module) -> None:
+    @staticmethod
+    def module_to_device(module: nn.Module, root_device: torch.device) -> None:
+        """Move what is left off ``root_device`` there (Lightning's ``model.to(root_device)``), except offloaded shards.
+
+        Lightning's Trainer strategy calls it after set-up for parameters and buffers no parallelization placed;
+        the shards of units that offload to the CPU must stay in host memory (``modelpar._placement``).
+        """
+        move_to_device(module, root_device, offload=getattr(module, _OFFLOADS, False))
+
+    def _check_fsdp_applied(self, module: nn.Module) -> list[bool]:
         """After ``parallelize_fn``: HSDP really applied, explicit FSDP options really used; pick autocast or policy.
 
         Runs identically on every rank (it looks only at the module and the configuration), so the errors are
         raised everywhere. The strategy's options reach ``fully_shard`` only through ``fsdp_kwargs``; what it
-        handed out since the mesh was registered tells whether the model got them.
+        handed out since the mesh was registered tells whether the model got them. Returns, per ``fsdp_kwargs``
+        call, whether it handed out CPU offloading.
         """
         layout, options = self.layout, self.fsdp_options
         given = handed_out(self.device_mesh)
@@ -282,6 +302,7 @@ class ParallelCore:
                 " traffic) and autocast keeps bf16 weight copies until backward. Pass"
                 " `**modelpar.fsdp_kwargs(device_mesh)` to `fully_shard` for FSDP2's bf16 policy instead."
             )
+        return [isinstance(o.offload_policy, CPUOffloadPolicy) for o in given]
 
     def _warn_if_unsharded(self, module: nn.Module) -> None:
         if self.device_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):

@@ -183,6 +183,16 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             self.setup_optimizers(trainer)  # Lightning's: drops a previous fit's optimizers and schedulers, makes new
         self.setup_precision_plugin()
 
+    @override
+    def model_to_device(self) -> None:
+        """Lightning's ``model.to(root_device)`` for what no parallelization placed; offloaded shards stay on the CPU.
+
+        Lightning's Trainer strategy moves the whole model, which would move FSDP2's CPU-offloaded shards to the
+        GPU (their DTensors then report the GPU, and FSDP2's first forward refuses them).
+        """
+        assert self.model is not None
+        self._core.module_to_device(self.model, self.root_device)
+
     def _install_mesh_aware_clipping(self) -> None:
         """Route the Trainer's ``gradient_clip_val`` through the core's clipping.
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 from harness import PG_TIMEOUT, run_distributed
+from modelpar.plans import parallelize_llama
 from parity import (
     CFG,
     assert_matches,
@@ -195,6 +196,60 @@ def case_cpu_offload_trains_like_one_process() -> float:
     return assert_matches(model, ref, "param")
 
 
+class _LlamaAndPlainHead(nn.Module):
+    """The tiny Llama (sharded) beside a layer and a buffer that no FSDP unit manages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llama = reference_model()
+        self.head = nn.Linear(CFG.vocab_size, 2)
+        self.register_buffer("scale", torch.ones(2))
+
+    def reset_parameters(self) -> None:
+        self.scale.fill_(1.0)
+
+
+def _shard_llama_only(model: nn.Module, device_mesh: Any) -> nn.Module:
+    parallelize_llama(model.llama, device_mesh)  # type: ignore[arg-type]
+    return model
+
+
+def case_offload_places_each_tensor_where_it_belongs() -> dict[str, Any]:
+    """Meta init under ``cpu_offload``, set up for a root device that is not the CPU ("meta" stands in for cuda:N).
+
+    FSDP2 refuses offloaded shards on any device but the CPU, and forward needs everything else on the compute
+    device: the shards must be materialized (with the reference's values) and stay on the CPU, the buffers and
+    the layer outside FSDP must end on the root device, and ``module_to_device`` (the Trainer's
+    ``model_to_device``) must move leftovers there but never the shards.
+    """
+    root = torch.device("meta")
+    ref = _LlamaAndPlainHead()
+    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, parallelize_fn=_shard_llama_only, cpu_offload=True)
+    with torch.device("meta"):
+        model = _LlamaAndPlainHead()
+    core = fabric.strategy._core
+    model = core.setup_module(model, root)
+    shards = [p for p in model.llama.parameters() if isinstance(p, DTensor)]
+    assert shards and bool(_fsdp_groups(model.llama.layers[0])[0].fsdp_params[0].offload_to_cpu)
+    out = {
+        "shards": sorted({str(p.device) for p in shards}),
+        "buffers": sorted({str(b.device) for b in model.buffers()}),
+        "head": str(model.head.weight.device),
+    }
+    for (name, p), want in zip(model.llama.named_parameters(), ref.llama.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), want, atol=0, rtol=0, msg=name)
+    model.head.to_empty(device="cpu")  # a leftover on the CPU, as the Trainer may find it
+    core.module_to_device(model, root)
+    out["after_to_device"] = [*sorted({str(p.device) for p in shards}), str(model.head.weight.device)]
+    # and on a CPU root (nothing to move), meta init under cpu_offload gives the model one process builds
+    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, cpu_offload=True)
+    with fabric.init_module(empty_init=True):
+        meta_model = reference_model()
+    meta_model = fabric.setup_module(meta_model)
+    assert_matches(meta_model, reference_model(), "param", atol=0, rtol=0)
+    return out
+
+
 def case_misuse_fails_on_every_rank() -> dict[str, str]:
     """Plain FSDP where HSDP was asked, and explicit options a parallelize_fn ignores, raise the fix."""
     out = {}
@@ -230,6 +285,7 @@ def grid() -> dict[str, Any]:
         },
         "policies": case_policies_observed(),
         "offload": case_cpu_offload_trains_like_one_process(),
+        "offload_placement": case_offload_places_each_tensor_where_it_belongs(),
         "misuse": case_misuse_fails_on_every_rank(),
         "timeouts": case_every_group_gets_the_timeout(),
     }
@@ -290,6 +346,16 @@ def test_fsdp_policies_are_applied_and_autocast_does_not_fight_them(results: lis
     assert p["offload_no_reshard"]["offload"] is True
     assert p["offload_no_reshard"]["local_shape_after_forward"] == (CFG.dim, CFG.dim)  # kept gathered for backward
     assert p["bf16_policy"]["local_shape_after_forward"] == (CFG.dim // 4, CFG.dim)  # resharded after forward
+
+
+def test_cpu_offload_keeps_shards_on_the_cpu_and_the_rest_on_the_root_device(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["offload_placement"] == {
+            "shards": ["cpu"],
+            "buffers": ["meta"],
+            "head": "meta",
+            "after_to_device": ["cpu", "meta"],
+        }
 
 
 def test_misuse_raises_the_fix_on_every_rank(results: list[dict[str, Any]]) -> None:
