@@ -11,8 +11,8 @@ backward and an AdamW step on the same data:
 * modelpar, ``"bf16-mixed"`` with ``mixed_precision=MixedPrecisionPolicy()``: autocast only, FSDP2 in fp32;
 * Lightning's ``ModelParallelStrategy``, ``"bf16-mixed"``, same plan: autocast only (on a mesh that no modelpar
   strategy registered, ``fsdp_kwargs`` returns FSDP2's defaults, i.e. what a plain ``fully_shard`` does);
-* raw torch: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, fp32))`` per block and on the root, no
-  Lightning.
+* raw torch: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, fp32))`` per block, and on the root with
+  ``output_dtype=torch.float32`` (fp32 logits, as modelpar's derived policy gives), no Lightning.
 
 A second table runs modelpar in fp32 with 4 micro-batches per step under ``fabric.no_backward_sync``, with
 ``gradient_accumulation="sharded"`` (reduce-scatter every micro-batch) and ``"unsharded"`` (reduce once).
@@ -59,6 +59,7 @@ from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import parallelize_llama
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+ROOT_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
 MIB = 1024 * 1024
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 _M_MMAP_THRESHOLD = -3
@@ -189,7 +190,7 @@ def run_raw(cfg: LlamaConfig, args: Any) -> dict[str, Any]:
     model = Llama(cfg)
     for block in model.layers:
         fully_shard(block, mesh=mesh["data_parallel"], mp_policy=BF16_POLICY)
-    fully_shard(model, mesh=mesh["data_parallel"], mp_policy=BF16_POLICY)
+    fully_shard(model, mesh=mesh["data_parallel"], mp_policy=ROOT_POLICY)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return measure(make_step(model, optimizer, lambda loss: loss.backward(), cfg, args), args)
 

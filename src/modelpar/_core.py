@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from modelpar._clip import clip_grad_norm, clip_grad_value
 from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
-from modelpar._fsdp import FSDPOptions, handed_out, register_mesh
+from modelpar._fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._materialize import has_meta_tensors
 from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, SizeArg, check_size_arg
@@ -295,6 +295,8 @@ class ParallelCore:
             )
         took_policy = bool(given) and all(o.casts_parameters for o in given)
         self.autocast = not took_policy
+        if took_policy and options.root_output_dtype is not None:
+            cast_root_outputs(module)  # fp32 logits and losses, as under autocast
         if sharded and not given and options.casts_parameters:
             rank_zero_warn(
                 "precision='bf16-mixed' runs as autocast here, because `parallelize_fn` called `fully_shard` without"

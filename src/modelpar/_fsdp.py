@@ -10,6 +10,12 @@ The strategy also records which options were handed out, so that after ``paralle
 they reached the model: an explicit option that never did is an error (it would be silently ignored), and a
 ``"bf16-mixed"`` run whose ``fully_shard`` calls did not take the derived bf16 policy keeps Lightning's
 autocast instead, with a warning that says what it costs.
+
+Under the derived bf16 policy the outermost FSDP modules' floating-point outputs are cast to fp32
+(:func:`cast_root_outputs`), so logits and losses computed from them keep fp32 precision as under autocast.
+That is what FSDP2's ``MixedPrecisionPolicy(output_dtype=torch.float32)`` does, but only on the root:
+FSDP2 applies ``output_dtype`` in every unit that has it, so the policy ``fsdp_kwargs`` hands to every unit
+cannot carry it without casting each block's output to fp32 and the next block's input back to bf16.
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from modelpar._mesh import fsdp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDPOptions", "fsdp_kwargs", "handed_out", "register_mesh"]
+__all__ = ["FSDPOptions", "cast_root_outputs", "fsdp_kwargs", "handed_out", "register_mesh"]
 
 #: The mixed-precision policy ``"bf16-mixed"`` implies: bf16 parameters, all-gathers and compute (half the
 #: traffic and no autocast weight copies outside FSDP's resharding), fp32 gradient reduction (accurate sums).
@@ -37,13 +45,16 @@ BF16_MIXED_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtyp
 class FSDPOptions:
     """The strategy's FSDP2 arguments, resolved against the precision flag and the device.
 
-    ``explicit`` names the strategy arguments the user set, which must reach the model.
+    ``explicit`` names the strategy arguments the user set, which must reach the model. ``root_output_dtype``
+    is the dtype the outermost FSDP modules' outputs are cast to when the policy is in effect (fp32 under the
+    derived ``"bf16-mixed"`` policy; ``None``, no cast, for a policy given explicitly, which is used as given).
     """
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
     reshard_after_forward: bool | int | None = None
     explicit: tuple[str, ...] = ()
+    root_output_dtype: torch.dtype | None = None
 
     @classmethod
     def resolve(
@@ -59,8 +70,10 @@ class FSDPOptions:
     ) -> FSDPOptions:
         """Derive the policies; refuse what torch cannot do here with the reason and the fix (before any collective)."""
         explicit = []
+        root_output_dtype = None
         if mixed_precision is None:
             mp_policy = BF16_MIXED_POLICY if precision == "bf16-mixed" else MixedPrecisionPolicy()
+            root_output_dtype = torch.float32 if precision == "bf16-mixed" else None
         else:
             explicit.append("mixed_precision")
             mp_policy = mixed_precision
@@ -80,7 +93,7 @@ class FSDPOptions:
         if reshard_after_forward is not None:
             explicit.append("reshard_after_forward")
             _check_reshard(reshard_after_forward, shard_size, strategy_name)
-        return cls(mp_policy, offload, reshard_after_forward, tuple(explicit))
+        return cls(mp_policy, offload, reshard_after_forward, tuple(explicit), root_output_dtype)
 
     @property
     def casts_parameters(self) -> bool:
@@ -93,6 +106,43 @@ class FSDPOptions:
             "offload_policy": self.offload_policy,
             "reshard_after_forward": self.reshard_after_forward,
         }
+
+
+#: Attribute set on a root FSDP module whose outputs :func:`cast_root_outputs` casts, so it casts them once.
+_OUTPUTS_IN_FP32 = "_modelpar_outputs_in_fp32"
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def _outputs_to_fp32(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: every floating-point tensor of ``output`` (nested in tuples, dicts, dataclasses) as fp32."""
+    return apply_to_collection(output, torch.Tensor, _to_fp32)
+
+
+def cast_root_outputs(module: nn.Module) -> None:
+    """Cast the forward outputs of ``module``'s outermost FSDP modules to fp32.
+
+    The outermost FSDP modules are FSDP2's roots (``module`` itself when it was sharded last, as it should be).
+    The hook is registered after ``fully_shard``'s own, so it runs after FSDP2's post-forward, exactly where
+    FSDP2 would apply the root's ``output_dtype``; gradients flow back through the cast. Once per module (a
+    plain attribute marks it), and a module-level function, so the module still pickles.
+    """
+    roots: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, FSDPModule):
+            roots.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    for root in roots:
+        if not getattr(root, _OUTPUTS_IN_FP32, False):
+            root.register_forward_hook(_outputs_to_fp32)
+            setattr(root, _OUTPUTS_IN_FP32, True)
 
 
 def _check_reshard(value: object, shard_size: int, strategy_name: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from harness import PG_TIMEOUT, run_distributed
@@ -227,6 +228,15 @@ def case_precision_matches_reference_in_same_precision(precision: str, num_nodes
     ref = ref.to(dtype)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x, y = global_batches(1)[0]
+    out: dict[str, Any] = {}
+    if precision == "bf16-mixed":  # FSDP2's bf16 policy, no autocast: the root's outputs are fp32 all the same
+        with torch.no_grad():
+            logits = model.module(local_slice(fabric, x))  # the FSDP root itself, without Fabric's output cast
+            raw = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local_slice(fabric, y).reshape(-1))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast_loss = F.cross_entropy(ref(x).reshape(-1, CFG.vocab_size), y.reshape(-1))
+        out |= {"root_dtype": str(logits.dtype), "loss_dtype": str(raw.dtype)}
+        out["vs_autocast"] = abs(fabric.all_reduce(raw.clone()).item() - autocast_loss.item()) / autocast_loss.item()
     loss = lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y))
     fabric.backward(loss)
     optimizer.step()
@@ -239,7 +249,7 @@ def case_precision_matches_reference_in_same_precision(precision: str, num_nodes
     param_dtypes = {p.dtype for p in model.parameters()}
     assert param_dtypes == {dtype}, param_dtypes
     assert_matches(model, ref, "param", atol=2e-2, rtol=2e-2)
-    return {"loss": float(global_loss), "dtype": str(dtype)}
+    return out | {"loss": float(global_loss), "dtype": str(dtype)}
 
 
 def case_collectives(world_size: int, num_nodes: int = 1) -> dict[str, Any]:
@@ -440,6 +450,18 @@ def test_collectives_reduce_over_world_or_mesh_axis(two_process_results, two_nod
 def test_supported_precisions_train_like_reference_in_same_precision(two_node_results, precision):
     results = [r[f"precision_{precision}"] for r in two_node_results]
     assert len({r["loss"] for r in results}) == 1
+
+
+def test_bf16_mixed_policy_gives_fp32_losses_that_match_autocast(two_node_results):
+    """FSDP2's bf16 policy replaces autocast, but the root's outputs are fp32, so a loss computed from them is too.
+
+    The loss is then within 1e-3 (relative) of an autocast run of the same model: both round the same matmuls
+    to bf16, and differ only where autocast keeps fp32 (the residual stream from the fp32 embedding, and the
+    reductions of the norms; here ~1e-4). A bf16 loss could be off by half a bf16 step, up to 2**-9 = 2e-3.
+    """
+    for r in (r["precision_bf16-mixed"] for r in two_node_results):
+        assert r["root_dtype"] == r["loss_dtype"] == "torch.float32"
+        assert r["vs_autocast"] < 1e-3, r["vs_autocast"]
 
 
 def test_checkpoints_round_trip_across_layouts_and_training_continues_like_reference(two_process_results):

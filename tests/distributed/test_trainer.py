@@ -44,7 +44,13 @@ def assert_weights(module: Any, ref: torch.nn.Module, what: str, atol: float = 2
 
 
 def trainer(dp: Any, tp: Any, world: int, nodes: int = 1, **kwargs: Any) -> Any:
-    own = ("save_distributed_checkpoint", "parallelize_fn", "gradient_accumulation", "data_parallel_replicate_size")
+    own = (
+        "save_distributed_checkpoint",
+        "parallelize_fn",
+        "gradient_accumulation",
+        "data_parallel_replicate_size",
+        "cpu_offload",
+    )
     strategy_kwargs = {k: kwargs.pop(k) for k in own if k in kwargs}
     strategy = ModelParallelStrategy(dp, tp, timeout=PG_TIMEOUT, **strategy_kwargs)
     defaults: dict[str, Any] = {
@@ -320,7 +326,23 @@ def case_precision(precision: str) -> dict[str, Any]:
     got = full_weights(module)
     assert {v.dtype for v in got.values()} == {dtype}
     torch.testing.assert_close(got, ref.state_dict(), atol=3e-2, rtol=3e-2, msg=lambda m: f"{precision}: {m}")
-    return {"loss": float(t.callback_metrics["train_loss"]), "ref_loss": loss.item()}
+    with torch.no_grad():
+        root_dtype = module.model(x).dtype  # what training_step computes its loss from (no autocast under the policy)
+    return {"loss": float(t.callback_metrics["train_loss"]), "ref_loss": loss.item(), "root_dtype": str(root_dtype)}
+
+
+def case_cpu_offload() -> dict[str, Any]:
+    """``cpu_offload=True`` reaches ``configure_model``'s ``fsdp_kwargs``; fit matches the reference; after set-up
+    (``model_to_device`` included) and a further ``model_to_device``, the shards are still offloaded to the CPU."""
+    t = trainer(2, 1, 2, max_steps=4, cpu_offload=True)
+    module = lightning().LlamaModule()
+    t.fit(module, loader(per_rank(2)))
+    assert_weights(module, reference_run(4)[0], "fit 2x1 with cpu_offload")
+    t.strategy.model_to_device()
+    block = module.model.layers[0]
+    # No public API says whether FSDP2 offloads a unit; the test reads its parameter group.
+    offloaded = block._get_fsdp_state()._fsdp_param_group.fsdp_params[0].offload_to_cpu
+    return {"offloaded": bool(offloaded), "devices": sorted({str(p.device) for p in module.parameters()})}
 
 
 def grid_two(namespace: str) -> dict[str, Any]:
@@ -328,6 +350,7 @@ def grid_two(namespace: str) -> dict[str, Any]:
     out: dict[str, Any] = {"errors": case_setup_errors()}
     for precision in _DTYPES:
         out[f"precision_{precision}"] = case_precision(precision)
+    out["cpu_offload"] = case_cpu_offload()
     for dp, tp in ((2, 1), (1, 2)):
         out[f"fit_{dp}x{tp}"] = case_fit_validate_test_predict(dp, tp, 2)
         for mode in ("sharded", "unsharded"):
@@ -447,3 +470,10 @@ def test_missing_parallelization_and_a_replaced_module_raise_clear_errors_on_eve
 def test_precision_flags_train_like_the_reference_in_the_same_precision(two, precision):
     result = two[0][f"precision_{precision}"]
     assert abs(result["loss"] - result["ref_loss"]) < 3e-2, result
+    # "bf16-mixed" runs FSDP2's bf16 policy without autocast, yet the root's logits are fp32 (as autocast's loss is)
+    want = {"bf16-mixed": "torch.float32", "bf16-true": "torch.bfloat16", "16-true": "torch.float16"}[precision]
+    assert all(r[f"precision_{precision}"]["root_dtype"] == want for r in two)
+
+
+def test_cpu_offload_trains_like_the_reference_and_model_to_device_leaves_the_shards_on_the_cpu(two):
+    assert all(r["cpu_offload"] == {"offloaded": True, "devices": ["cpu"]} for r in two)

@@ -70,3 +70,12 @@ def test_bad_option_types_are_refused_at_construction(kwargs, message):
 def test_gradient_accumulation_mode_is_checked():
     with pytest.raises(ValueError, match=r"`gradient_accumulation='none'` is not a mode. Use 'sharded'"):
         ModelParallelStrategy(identity, gradient_accumulation="none")
+
+
+def test_only_the_derived_bf16_policy_casts_the_root_outputs_to_fp32():
+    assert resolve(precision="bf16-mixed").root_output_dtype == torch.float32
+    assert resolve(precision="bf16-mixed").mp_policy.output_dtype is None  # the units' policy: no per-block casts
+    mine = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert resolve(precision="bf16-mixed", mixed_precision=mine).root_output_dtype is None  # used as given
+    for precision in ("32-true", "bf16-true", "16-true"):
+        assert resolve(precision=precision).root_output_dtype is None
