@@ -44,7 +44,7 @@ ParallelizeFn = Callable[[Any, "DeviceMesh"], Any]
 #: in the process knows not to parallelize or initialize it again.
 _SET_UP_ON = "_modelpar_set_up_on"
 #: Attribute ``setup_module`` sets beside it: whether the parameters ``fully_shard`` manages are offloaded to the
-#: CPU, so later materialization and ``module_to_device`` leave them in host memory (see ``modelpar._placement``).
+#: CPU, so that meta tensors the module gains later are materialized where they belong (``modelpar._placement``).
 _OFFLOADS = "_modelpar_offloads"
 
 
@@ -258,12 +258,12 @@ class ParallelCore:
 
     @staticmethod
     def module_to_device(module: nn.Module, root_device: torch.device) -> None:
-        """Move what is left off ``root_device`` there (Lightning's ``model.to(root_device)``), except offloaded shards.
+        """Move what is left off ``root_device`` there (Lightning's ``model.to(root_device)``), but no FSDP shard.
 
         Lightning's Trainer strategy calls it after set-up for parameters and buffers no parallelization placed;
         the shards of units that offload to the CPU must stay in host memory (``modelpar._placement``).
         """
-        move_to_device(module, root_device, offload=getattr(module, _OFFLOADS, False))
+        move_to_device(module, root_device)
 
     def _check_fsdp_applied(self, module: nn.Module) -> list[bool]:
         """After ``parallelize_fn``: HSDP really applied, explicit FSDP options really used; pick autocast or policy.

@@ -16,12 +16,13 @@ device it was created on. So the device must be right when the tensor is created
 
 A meta-device model is therefore allocated on the CPU as soon as one tensor belongs there (allocating every
 shard on the device first would need the very device memory offloading saves), and the rest is moved to the
-compute device afterwards. The same rule decides what the Trainer's ``model_to_device`` moves: Lightning's
-``model.to(root_device)`` would move the offloaded shards to the device and break them.
+compute device afterwards. Which parameters ``fully_shard`` manages is read from the module (DTensor
+parameters at or below an ``FSDPModule``); whether their units offload is the strategy's record of the options
+``fsdp_kwargs`` handed out, since FSDP2 has no public getter for a unit's policy.
 
-Which parameters ``fully_shard`` manages is read from the module (DTensor parameters at or below an
-``FSDPModule``); whether their units offload is the strategy's record of the options ``fsdp_kwargs`` handed
-out, since FSDP2 has no public getter for a unit's policy.
+The Trainer's ``model_to_device`` moves what is left off the compute device, but never a parameter
+``fully_shard`` manages: those are where FSDP2 put them (Lightning's ``model.to(root_device)`` would move the
+offloaded shards to the device and break them).
 """
 
 from __future__ import annotations
@@ -77,11 +78,9 @@ def offloads(offloading: Sequence[bool], *, root_device: torch.device, has_meta:
     return False
 
 
-def _offloaded_shards(module: nn.Module, offload: bool) -> set[int]:
-    """The ids of the parameters FSDP2 keeps in host memory: DTensor parameters at or below an ``FSDPModule``."""
+def _fsdp_parameters(module: nn.Module) -> set[int]:
+    """The ids of the parameters ``fully_shard`` manages: DTensor parameters at or below an ``FSDPModule``."""
     found: set[int] = set()
-    if not offload:
-        return found
 
     def visit(m: nn.Module, under_fsdp: bool) -> None:
         under_fsdp = under_fsdp or isinstance(m, FSDPModule)
@@ -131,7 +130,7 @@ def materialize(module: nn.Module, root_device: torch.device, *, offload: bool) 
     """
     if not has_meta_tensors(module):
         return
-    shards = _offloaded_shards(module, offload)
+    shards = _fsdp_parameters(module) if offload else set()
     targets = {
         (id(owner), name): tensor_device(root_device, offloaded_shard=id(t) in shards)
         for owner, name, t in _own_tensors(module)
@@ -149,22 +148,24 @@ def materialize(module: nn.Module, root_device: torch.device, *, offload: bool) 
     )
 
 
-def move_to_device(module: nn.Module, root_device: torch.device, *, offload: bool) -> None:
-    """Move every parameter and buffer to ``root_device``, except the shards FSDP2 offloads (and meta tensors).
+def move_to_device(module: nn.Module, root_device: torch.device) -> None:
+    """Move every parameter and buffer to ``root_device``, except the ones ``fully_shard`` manages (and meta tensors).
 
-    Like ``module.to`` on FSDP modules, it first reshards every FSDP module, also when nothing moves: a module
-    left unsharded (the root keeps its gathered parameters after an evaluation forward) registers its unsharded
-    parameters, and an optimizer created next (the Trainer's, after ``model_to_device``) must get the shards.
+    ``fully_shard`` put those where they belong: on the mesh's device, or in host memory when their unit offloads
+    (also when only some units do), so the parameters it manages are observed, not decided. Like ``module.to``
+    on FSDP modules, it first reshards every FSDP module, also when nothing moves: a module left unsharded (the
+    root keeps its gathered parameters after an evaluation forward) registers its unsharded parameters, and an
+    optimizer created next (the Trainer's, after ``model_to_device``) must get the shards.
     """
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-    shards = _offloaded_shards(module, offload)
+    managed = _fsdp_parameters(module)
     _move(
         module,
         {
             id(t): root_device
             for _, _, t in _own_tensors(module)
-            if id(t) not in shards and not t.is_meta and t.device != root_device
+            if id(t) not in managed and not t.is_meta and t.device != root_device
         },
     )
