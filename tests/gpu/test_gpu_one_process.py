@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gpu_common import SkipCase, check, device, host_rss_bytes, max_abs_diff, on_cuda, pinned_host_bytes, run_cases
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -49,8 +50,11 @@ def _fabric(precision: str = "32-true", **strategy_kwargs: Any) -> Any:
     return fabric
 
 
-def _reference(cfg: LlamaConfig = CFG) -> Llama:
+def _reference(cfg: LlamaConfig = CFG, *, built_on_cpu: bool = False) -> Llama:
+    """The one-process model: built on the GPU, or on the CPU (what offloaded models are materialized on) and moved."""
     torch.manual_seed(0)
+    if built_on_cpu:
+        return Llama(cfg).to(device())
     with torch.device(device()):
         return Llama(cfg)
 
@@ -93,8 +97,11 @@ def _train_pair(fabric: Any, model: Any, ref: nn.Module, atol: float) -> dict[st
 
 
 def _assert_offloaded(model: nn.Module) -> dict[str, Any]:
-    """FSDP2's offload keeps every sharded parameter in (pinned, on CUDA) CPU memory, the DTensor saying so."""
+    """FSDP2's offload keeps every sharded parameter in (pinned, on CUDA) CPU memory, the DTensor saying so;
+    buffers (never offloaded) are on the GPU."""
     params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    off = [n for n, b in model.named_buffers() if b.device != device()]
+    assert not off, f"buffers not on {device()}: {off[:5]}"
     assert params, "no DTensor parameters"
     wrong = [n for n, p in model.named_parameters() if p.device.type != "cpu" or p.to_local().device.type != "cpu"]
     assert not wrong, f"parameters not on the CPU: {wrong[:5]}"
@@ -130,9 +137,18 @@ def case_meta_init_equals_one_process_build() -> dict[str, Any]:
 
 def case_offload_fabric_meta_init() -> dict[str, Any]:
     fabric = _fabric(cpu_offload=True)
+    before = torch.cuda.memory_allocated() if on_cuda() else 0
     model = _sharded(fabric, empty_init=True)
     figures = _assert_offloaded(model)
-    figures.update(_train_pair(fabric, model, _reference(), ATOL_OFFLOAD))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if on_cuda():  # the shards never visit the GPU: set-up leaves only buffers there
+        figures["gpu_bytes_after_setup"] = torch.cuda.memory_allocated() - before
+        assert figures["gpu_bytes_after_setup"] < param_bytes / 4, (figures, param_bytes)
+    ref = _reference(built_on_cpu=True)  # materialized on the CPU, from the CPU random stream
+    refs = dict(ref.named_parameters())
+    differing = [n for n, p in model.module.named_parameters() if not torch.equal(_full(p).to(device()), refs[n])]
+    assert not differing, f"offloaded meta init is not the one-process CPU build: {differing}"
+    figures.update(_train_pair(fabric, model, ref, ATOL_OFFLOAD))
     _assert_offloaded(model)
     return figures
 
@@ -141,8 +157,37 @@ def case_offload_fabric_eager_init() -> dict[str, Any]:
     fabric = _fabric(cpu_offload=True)
     model = _sharded(fabric, empty_init=False)
     figures = _assert_offloaded(model)
-    figures.update(_train_pair(fabric, model, _reference(), ATOL_OFFLOAD))
+    figures.update(_train_pair(fabric, model, _reference(built_on_cpu=True), ATOL_OFFLOAD))
     return figures
+
+
+def case_mixed_offload_on_a_meta_model_is_refused() -> dict[str, Any]:
+    """Offload for some units only cannot be placed on a meta model with a GPU root: a clear ValueError."""
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+    import modelpar
+
+    def mixed(model: Llama, mesh: Any) -> Llama:
+        fully_shard(model.layers[0], **modelpar.fsdp_kwargs(mesh, offload_policy=OffloadPolicy()))
+        fully_shard(model.layers[1], **modelpar.fsdp_kwargs(mesh))
+        fully_shard(model, **modelpar.fsdp_kwargs(mesh))
+        return model
+
+    from lightning_fabric import Fabric
+
+    strategy = ModelParallelStrategy(mixed, 1, 1, timeout=PG_TIMEOUT, cpu_offload=True)
+    fabric = Fabric(accelerator=device().type, devices=1, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = Llama(CFG)
+    if not on_cuda():
+        raise SkipCase("only a GPU root device makes mixed offload ambiguous")
+    try:
+        fabric.setup_module(model)
+    except ValueError as error:
+        assert "cannot tell which units" in str(error), error
+        return {"message": str(error)[:120]}
+    raise AssertionError("mixed per-unit offload on a meta-device model was not refused")
 
 
 def case_bf16_policy_loss_close_to_autocast() -> dict[str, Any]:
@@ -151,12 +196,12 @@ def case_bf16_policy_loss_close_to_autocast() -> dict[str, Any]:
     ref = _reference()
     x, y = _batches()[0]
     with fabric.autocast():
-        logits = model(x)
-    loss = lm_loss(logits, y)
+        logits = model.module(x)  # the root itself: Fabric's wrapper casts outputs to fp32 on its own
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     with torch.autocast(device().type, dtype=torch.bfloat16):
-        ref_loss = lm_loss(ref(x), y)
+        ref_loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
     fp32_loss = lm_loss(ref(x), y)
-    assert logits.dtype == torch.float32, f"the root's output is {logits.dtype}, not float32 (output_dtype)"
+    assert logits.dtype == loss.dtype == torch.float32, f"the root's output is {logits.dtype}, not float32"
     diff = abs(loss.item() - ref_loss.item())
     assert diff <= BF16_LOSS_ATOL, (loss.item(), ref_loss.item())
     return {
@@ -250,7 +295,7 @@ def case_clipping_cuda_and_offloaded_gradients() -> dict[str, Any]:
         fabric = _fabric(cpu_offload=offload)
         model = _sharded(fabric, empty_init=True)
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.0))
-        ref = _reference()
+        ref = _reference(built_on_cpu=offload)
         x, y = _batches()[0]
         fabric.backward(lm_loss(model(x), y))
         lm_loss(ref(x), y).backward()
@@ -409,6 +454,7 @@ CASES = {
     "meta_init": case_meta_init_equals_one_process_build,
     "offload_meta": case_offload_fabric_meta_init,
     "offload_eager": case_offload_fabric_eager_init,
+    "mixed_offload": case_mixed_offload_on_a_meta_model_is_refused,
     "bf16_policy": case_bf16_policy_loss_close_to_autocast,
     "init_module_dtypes": case_init_module_dtypes,
     "save_load": case_save_load_both_formats,
@@ -446,6 +492,10 @@ def test_cpu_offload_with_meta_init_trains_like_the_gpu_model_from_fabric(result
 
 def test_cpu_offload_without_meta_init_trains_like_the_gpu_model_from_fabric(results: list[dict[str, Any]]) -> None:
     check(results, "offload_eager")
+
+
+def test_mixed_per_unit_offload_on_a_meta_model_is_refused(results: list[dict[str, Any]]) -> None:
+    check(results, "mixed_offload")
 
 
 def test_bf16_policy_gives_an_fp32_loss_close_to_autocast(results: list[dict[str, Any]]) -> None:

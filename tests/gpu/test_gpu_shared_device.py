@@ -55,8 +55,11 @@ def _strategy(dp: int, tp: int, plan: Any = parallelize_llama, **kwargs: Any) ->
     return strategy
 
 
-def _reference(cfg: LlamaConfig = CFG) -> Llama:
+def _reference(cfg: LlamaConfig = CFG, *, built_on_cpu: bool = False) -> Llama:
+    """The one-process model: built on the GPU, or on the CPU (what offloaded models are materialized on) and moved."""
     torch.manual_seed(0)
+    if built_on_cpu:
+        return Llama(cfg).to(device())
     with torch.device(device()):
         return Llama(cfg)
 
@@ -172,7 +175,7 @@ def case_training_matches_the_one_process_cuda_model() -> dict[str, Any]:
 def case_cpu_offload_standalone_with_meta_init() -> dict[str, Any]:
     _needs("reduce_scatter_tensor", "all_gather_into_tensor")
     strategy = _strategy(dist.get_world_size(), 1, cpu_offload=True)
-    model, ref = _sharded(strategy), _reference()
+    model, ref = _sharded(strategy), _reference(built_on_cpu=True)
     assert all(p.device.type == "cpu" and p.to_local().device.type == "cpu" for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
