@@ -61,6 +61,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from modelpar._blocks import local_view
+from modelpar._unwritten import mark_unwritten, merge_written, unwritten_mask
+
 __all__ = ["has_meta_tensors", "materialize_module"]
 
 _RANDOM_TENSOR_METHODS = (
@@ -152,13 +155,18 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
     shared_ids = {key for key, found in owners.items() if len(found) > 1}
     allocated: dict[int, torch.Tensor] = {}  # shared tensors only, so nothing else outlives its swap
 
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        new = torch.empty_like(t, device=device)
+        mark_unwritten(new)  # what no initializer overwrites is found (and named) afterwards
+        return new
+
     def allocate(t: torch.Tensor) -> torch.Tensor:
         if not t.is_meta:
             return t
         if id(t) not in shared_ids:
-            return torch.empty_like(t, device=device)
+            return fresh(t)
         if id(t) not in allocated:
-            allocated[id(t)] = torch.empty_like(t, device=device)
+            allocated[id(t)] = fresh(t)
         return allocated[id(t)]
 
     module._apply(allocate)
@@ -169,11 +177,23 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
                 setattr(owner, name, shared)
 
 
+def _local_part(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``full`` as laid out in ``dtensor``, without communication.
+
+    A view (``narrow`` per dim, the block FSDP2 holds, ``_StridedShard`` included): nothing is copied until the
+    caller copies it into the shard. Only placements that block arithmetic does not cut fall back to
+    ``distribute_tensor``, which builds the pieces of every rank first.
+    """
+    view = local_view(full.detach(), dtensor)
+    if view is not None:
+        return view
+    return distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None).to_local()
+
+
 def _slice_into(dtensor: DTensor, full: torch.Tensor) -> None:
-    """Copy this rank's slice of ``full`` into ``dtensor``'s local shard, without communication."""
-    shard = distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None)
+    """Copy this rank's slice of ``full`` (written whole by an initializer) into ``dtensor``'s local shard."""
     with torch.no_grad():
-        dtensor.to_local().copy_(shard.to_local())
+        dtensor.to_local().copy_(_local_part(dtensor, full))
 
 
 class _FullSizeInit(TorchFunctionMode):
@@ -210,8 +230,9 @@ class _FullSizeInit(TorchFunctionMode):
 def _run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...]) -> None:
     """Run ``hook`` with ``module``'s own DTensors and its ``keep`` tensors behind stand-ins.
 
-    A DTensor's stand-in is a full-size plain tensor; afterwards this rank's slice of it goes into the DTensor
-    (unless the tensor is in ``keep``). A plain ``keep`` tensor's stand-in is a copy; the originals of
+    A DTensor's stand-in is a full-size plain tensor filled with the unwritten marker; afterwards what the hook
+    wrote of this rank's slice goes into the DTensor (unless the tensor is in ``keep``), and the rest keeps its
+    value (an earlier hook's, or the marker). A plain ``keep`` tensor's stand-in is a copy; the originals of
     ``keep`` come back untouched. A stand-in the hook replaced is left as the hook set it. Other modules'
     DTensors are handled by :class:`_FullSizeInit`.
     """
@@ -219,6 +240,7 @@ def _run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ..
     for name, t in _own_tensors(module):
         if isinstance(t, DTensor):
             data = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            mark_unwritten(data)
         elif name in keep:
             data = t.detach().clone()
         else:
@@ -237,7 +259,7 @@ def _run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ..
                 if name not in keep and isinstance(original, DTensor):
                     filled.append((original, stand_in))
     for original, stand_in in filled:  # reached only when the hook returned
-        _slice_into(original, stand_in)
+        merge_written(original.to_local(), _local_part(original, stand_in))
 
 
 def _device_rng(device: torch.device) -> Any:
@@ -280,8 +302,7 @@ def _ranks_agree_on_rng(device: torch.device) -> Iterator[None]:
 
 
 def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
-    """Run the hooks children first, then the root hook; warn about what is left uninitialized."""
-    covered: set[int] = set()  # modules a hook over their subtree ran on
+    """Run the hooks children first, then the root hook; warn about the hooks skipped."""
     skipped: list[str] = []
     for node in nodes:
         reset = getattr(node.module, "reset_parameters", None)
@@ -291,7 +312,6 @@ def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
             skipped.append(_skip_message(node, "reset_parameters"))
             continue
         _run_hook(node.module, reset, keep=node.real_names)
-        covered.update(id(m) for m in node.module.modules())
     root_node = nodes[-1]
     init_weights = getattr(root, "init_weights", None)
     if callable(init_weights):
@@ -299,28 +319,64 @@ def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
             skipped.append(_skip_message(root_node, "init_weights"))
         else:
             _run_hook(root, init_weights, keep=())
-            covered.update(id(m) for m in root.modules())
     if skipped:
         rank_zero_warn(
             "Meta-device initialization skipped hooks that would overwrite real tensors:\n"
             + "\n".join(f"- {s}" for s in skipped)
         )
-    uninitialized = sorted(
-        {
-            type(n.module).__name__
-            for n in nodes
-            if n.meta_names
-            and id(n.module) not in covered
-            and not callable(getattr(n.module, "reset_parameters", None))
-        }
+
+
+def _unwritten_report(nodes: list[_Node]) -> list[tuple[str, str, int, int]]:
+    """(tensor path, module class, elements unwritten, elements) of this rank's shards no initializer fully wrote."""
+    report: list[tuple[str, str, int, int]] = []
+    seen: set[int] = set()
+    for node in nodes:
+        for name in node.meta_names:
+            t = getattr(node.module, name, None)
+            if not isinstance(t, torch.Tensor) or id(t) in seen or t.is_meta:
+                continue
+            seen.add(id(t))  # a tied tensor is named once, at its first owner
+            mask = unwritten_mask(t)
+            count = int(mask.sum()) if mask is not None else 0
+            if count:
+                path = f"{node.path}.{name}" if node.path else name
+                report.append(
+                    (
+                        path,
+                        type(node.module).__name__,
+                        count,
+                        t.to_local().numel() if isinstance(t, DTensor) else t.numel(),
+                    )
+                )
+    return report
+
+
+def _warn_unwritten(nodes: list[_Node]) -> None:
+    """Name, on rank 0, every allocated tensor that no initializer wrote (wholly or partly) on any rank.
+
+    Each rank checks its own shards for the marker; with several ranks the (usually empty) reports are
+    gathered, so a tensor unwritten only in another rank's shard is named too.
+    """
+    reports = [_unwritten_report(nodes)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, reports[0])
+        reports = gathered
+    totals: dict[str, tuple[str, int, int]] = {}
+    for report in reports:
+        for path, cls, count, numel in report:
+            _, seen_count, seen_numel = totals.get(path, (cls, 0, 0))
+            totals[path] = (cls, seen_count + count, seen_numel + numel)
+    if not totals:
+        return
+    listed = [f"`{path}` ({cls}{'' if count == numel else ', partly'})" for path, (cls, count, numel) in totals.items()]
+    rank_zero_warn(
+        "Parameter initialization incomplete: no initializer wrote these tensors, so they hold NaN (a marker,"
+        f" for integers the smallest value) instead of values: {', '.join(listed)}. Their modules define no"
+        " `reset_parameters()`, or a parent's `reset_parameters()` (or the root's `init_weights()`) that runs"
+        " instead does not initialize them. Initialize them in one of those, or load a checkpoint before"
+        " training."
     )
-    if uninitialized:
-        rank_zero_warn(
-            "Meta-device initialization is incomplete: these module classes own parameters or buffers but"
-            " define no `reset_parameters()`, so their tensors hold uninitialized memory:"
-            f" {', '.join(uninitialized)}. Define `reset_parameters()` on them, or load a checkpoint"
-            " before training."
-        )
 
 
 def _skip_message(node: _Node, hook: str) -> str:
@@ -343,9 +399,11 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
 
     Calls ``reset_parameters()`` children first, then ``module.init_weights()`` if the root defines it (see
     the module docstring for the order, the guarantee and when a hook is skipped). With a process group of
-    several ranks, all ranks must call it (the ranks' random states are compared first). Module classes that
-    own meta tensors but define no ``reset_parameters()``, and that no parent hook covered, are named in a
-    rank-0 warning, because their tensors hold uninitialized memory. Raises ``RuntimeError`` naming any
+    several ranks, all ranks must call it (the ranks' random states are compared first, and what was left
+    unwritten is gathered last). Every tensor that no initializer wrote, wholly or partly, is named with its
+    module in a rank-0 warning; it holds a NaN marker (see :mod:`modelpar._unwritten`), not stray memory.
+    ``device`` may be any device (the CPU under ``cpu_offload``, the accelerator otherwise). Raises
+    ``RuntimeError`` naming any
     tensor still on the meta device afterwards (a ``reset_parameters`` that re-created a tensor on meta, for
     example), since training on it would fail far from the cause.
     """
@@ -363,3 +421,4 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
             " probably re-created them on the meta device; make it fill the existing tensors in place"
             " (e.g. `nn.init.*` or `tensor.copy_`)."
         )
+    _warn_unwritten(nodes)

@@ -53,6 +53,59 @@ class HookedLlama(Llama):
         nn.init.uniform_(self.output.weight, -0.1, 0.1)
 
 
+class Scale(nn.Module):
+    """Owns a tensor and has no ``reset_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(8))
+
+
+class Forgetful(nn.Module):
+    """A parent ``reset_parameters`` that forgets a child's tensor; a root tensor ``init_weights`` leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(8))
+        self.proj = nn.Linear(8, 8)
+        self.covered = Scale()
+        self.forgotten = Scale()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gain)
+        nn.init.uniform_(self.covered.scale)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.proj.bias)
+
+
+def case_unwritten_tensors_on_fsdp_and_tp() -> dict[str, Any]:
+    """2x2 FSDP + TP: rank 0 names the forgotten tensor; what was written equals the one-process build.
+
+    ``gain`` is written by the root's ``reset_parameters()`` and not by its ``init_weights()`` (whose stand-in
+    must not overwrite it); ``forgotten.scale`` by nobody: NaN in every rank's shard.
+    """
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Forgetful()
+    parallelize_module(model, mesh["tensor_parallel"], {"proj": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["data_parallel"])
+    _, messages = recorded(lambda: materialize_module(model, CPU))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        ref = Forgetful()
+    materialize_module(ref, CPU)  # one process, plain tensors
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        if name == "forgotten.scale":
+            assert torch.isnan(local).all(), local
+        else:
+            want = expected_local(ref.get_parameter(name), p)
+            torch.testing.assert_close(local, want, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    return {"messages": messages}
+
+
 def expected_local(ref: torch.Tensor, p: DTensor) -> torch.Tensor:
     """This rank's slice of ``ref`` as the plans lay it out: the TP axis chunks first, then the data axes."""
     mesh = p.device_mesh
@@ -222,6 +275,7 @@ def grid() -> dict[str, Any]:
     out["root init_weights 2x1x2"] = {"placements": case_hsdp_layout((2, 1, 2), model_cls=HookedLlama)}
     out["seeded differently"] = case_ranks_seeded_differently(dist.get_rank())
     out["hugging face"] = case_hugging_face_init_weights()
+    out["unwritten"] = case_unwritten_tensors_on_fsdp_and_tp()
     return out
 
 
@@ -239,7 +293,15 @@ def test_meta_init_gives_every_rank_its_slice_of_the_single_process_model_on_eve
         assert "_StridedShard" in rank_result["fabric 2x2"]["placements"]
         assert "_StridedShard" in rank_result["hsdp 2x1x2"]["placements"]
         assert "Replicate" in rank_result["hsdp 2x2x1"]["placements"]
+    unwritten = [[m for m in r["unwritten"]["messages"] if "initialization incomplete" in m] for r in results]
+    assert len(unwritten[0]) == 1 and not any(unwritten[1:]), unwritten  # one warning, on rank 0
+    assert "`forgotten.scale` (Scale)" in unwritten[0][0] and "covered" not in unwritten[0][0], unwritten[0]
+    assert "gain" not in unwritten[0][0] and "proj" not in unwritten[0][0], unwritten[0]
     rank0 = results[0]["seeded differently"]["messages"]
     assert any("ranks had different random states" in m and "rank 0's state was used" in m for m in rank0), rank0
     agreed = [m for case, r in results[0].items() if case != "seeded differently" for m in r.get("messages", [])]
     assert not [m for m in agreed if "different random states" in m]
+    # every tensor of the other models was written by some initializer: no false alarm
+    assert not [
+        m for case, r in results[0].items() if case != "unwritten" for m in r.get("messages", []) if "incomplete" in m
+    ]

@@ -182,17 +182,50 @@ def test_tied_weights_stay_tied_after_materialization() -> None:
     assert torch.isfinite(model.embed.weight).all()
 
 
-def test_modules_without_reset_parameters_are_named_in_a_warning_only_when_no_hook_covered_them() -> None:
+class ParentForgets(nn.Module):
+    """A parent ``reset_parameters`` that initializes one child and forgets the other (which has no init of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.bare = Bare()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.linear.bias)
+
+
+def test_a_tensor_no_initializer_wrote_is_named_with_its_module_path_in_a_warning_and_holds_nan() -> None:
     class Uncovered(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.linear = nn.Linear(2, 2)
             self.bare = Bare()
 
-    with pytest.warns(UserWarning, match=r"define no `reset_parameters\(\)`.*: Bare\."):
+    with pytest.warns(UserWarning, match=r"initialization incomplete.*: `bare\.scale` \(Bare\)\. "):
         materialized(Uncovered)
-    for covered in (ParentWins, WithRootHook):
-        assert not [m for m in messages(lambda c=covered: materialized(c)) if "reset_parameters" in m], covered
+    # A parent's reset_parameters() runs, but does not touch the child's tensor: named all the same.
+    with pytest.warns(UserWarning, match=r"initialization incomplete.*: `inner\.bare\.scale` \(Bare\)\. "):
+        model = materialized(lambda: nn.ModuleDict({"inner": ParentForgets()}))
+    assert torch.isnan(model.inner.bare.scale).all()  # a marker, not stray memory such as -2.35e38
+    # Written by a parent (ParentWins) or the root hook (WithRootHook): no warning.
+    for covered in (ParentWins, WithRootHook, Outer):
+        assert not [m for m in messages(lambda c=covered: materialized(c)) if "incomplete" in m], covered
+
+
+def test_a_tensor_written_only_partly_is_named_as_partly_written() -> None:
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bare = Bare()
+
+        def reset_parameters(self) -> None:
+            with torch.no_grad():
+                self.bare.scale.data[:2] = 1.0  # through .data: no version counter would see it
+
+    with pytest.warns(UserWarning, match=r"`bare\.scale` \(Bare, partly\)"):
+        model = materialized(Half)
+    assert torch.equal(model.bare.scale[:2], torch.ones(2)) and torch.isnan(model.bare.scale[2:]).all()
 
 
 def test_a_parent_hook_is_skipped_with_a_warning_when_its_subtree_has_real_tensors() -> None:
