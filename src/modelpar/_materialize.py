@@ -13,14 +13,24 @@ DTensor's own random ops cannot promise this: on CUDA they derive each shard fro
 stream (not the values one process draws), and on CPU meshes they have no support at all (every shard
 repeats one rank's draws).
 
-**How.** Each initializer runs on full-size plain tensors and every rank keeps its slice
-(``distribute_tensor(..., src_data_rank=None)`` slices locally, with no communication, also for the
-``_StridedShard`` placements of FSDP over TP). A module's own DTensors are swapped for full-size stand-ins
-while its ``reset_parameters()`` runs, so arbitrary code works on them. An initializer that reaches
-DTensors of other modules (a parent's ``reset_parameters()``, the root hook) runs under a torch-function
-mode that performs each in-place ``nn.init.*_`` call and random ``Tensor`` method (``normal_``,
-``uniform_`` ...) on such a DTensor at full size and copies this rank's slice back. Memory: one module's own
-full-size tensors at a time, plus one tensor; never the whole model.
+"Bit for bit" holds against a one-process build on the device type materialization draws on (``device``: the
+CPU under ``cpu_offload``), since CPU and CUDA generators draw different numbers from one seed.
+
+**How** (:mod:`modelpar._full_size`). Each initializer runs on full-size plain tensors and every rank keeps its
+block, cut as a view by the block arithmetic of :mod:`modelpar._blocks` (FSDP2's layout, ``_StridedShard`` of
+FSDP over TP included), with no communication. A module's own DTensors are swapped for full-size stand-ins
+while its ``reset_parameters()`` runs, so arbitrary code works on them. An initializer that reaches DTensors of
+other modules (a parent's ``reset_parameters()``, the root hook) runs under a torch-function mode that performs
+each in-place ``nn.init.*_`` call and random ``Tensor`` method (``normal_``, ``uniform_`` ...) on such a DTensor
+at full size and copies this rank's block back. Memory per tensor: one reused full-size buffer beside the
+shard; at most one module's own tensors at full size at once, plus one tensor; never the whole model. Time: on
+the CPU every rank draws every full tensor, about what an eager one-process build costs.
+
+**Unwritten tensors are named** (:mod:`modelpar._unwritten`). Allocated tensors and stand-ins are filled with
+a marker first; a stand-in's unwritten elements do not overwrite the shard, and whatever still holds the marker
+at the end is named (module path, tensor, class) in one rank-0 warning, with every rank's report gathered.
+Tracked writes rather than assumed coverage: a parent's ``reset_parameters()`` that skips a child's tensor is
+caught too.
 
 **Order.** Modules are visited children first, then their parent (siblings in registration order), and
 ``reset_parameters()`` is called on every module that defines it, even on one without tensors of its own,
@@ -49,7 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -58,39 +68,12 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.overrides import TorchFunctionMode
+from torch.distributed.tensor import DTensor
 
-from modelpar._blocks import local_view
-from modelpar._unwritten import mark_unwritten, merge_written, unwritten_mask
+from modelpar._full_size import Scratch, own_tensors, run_hook
+from modelpar._unwritten import mark_unwritten, unwritten_mask
 
 __all__ = ["has_meta_tensors", "materialize_module"]
-
-_RANDOM_TENSOR_METHODS = (
-    "normal_",
-    "uniform_",
-    "bernoulli_",
-    "exponential_",
-    "log_normal_",
-    "cauchy_",
-    "geometric_",
-    "random_",
-)
-#: In-place initializers a hook may call on another module's DTensor; each is run at full size instead.
-#: (Of ``nn.init``, the torch-function mode sees only those that dispatch through ``__torch_function__``;
-#: the others are plain Python over ``Tensor`` methods, whose random ones the mode sees one by one.)
-_FULL_SIZE_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
-    [getattr(torch.Tensor, name) for name in _RANDOM_TENSOR_METHODS]
-    + [getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
-)
-#: The same initializers recognised by name: libraries swap ``torch.nn.init``'s functions for guarded wrappers of
-#: the same name while they initialize (Hugging Face's ``guard_torch_init_functions``), and ``nn.init``'s own
-#: dispatch then hands the mode the wrapper, whose inner calls the mode (popped while it runs) would not see.
-_FULL_SIZE_NAMES = frozenset(name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_"))
-
-
-def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)))
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -127,7 +110,7 @@ def _plan(root: nn.Module) -> list[_Node]:
         for name, child in module.named_children():
             if id(child) not in below:
                 visit(child, f"{path}.{name}" if path else name)
-        own = _own_tensors(module)
+        own = own_tensors(module)
         meta = tuple(n for n, t in own if t.is_meta)
         real = tuple(n for n, t in own if not t.is_meta)
         children = [below[id(c)] for c in module.children()]
@@ -150,7 +133,7 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
     """
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for owner in module.modules():
-        for name, t in _own_tensors(owner):
+        for name, t in own_tensors(owner):
             owners.setdefault(id(t), []).append((owner, name))
     shared_ids = {key for key, found in owners.items() if len(found) > 1}
     allocated: dict[int, torch.Tensor] = {}  # shared tensors only, so nothing else outlives its swap
@@ -175,91 +158,6 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
         for owner, name in others:
             if getattr(owner, name) is not shared:
                 setattr(owner, name, shared)
-
-
-def _local_part(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's block of ``full`` as laid out in ``dtensor``, without communication.
-
-    A view (``narrow`` per dim, the block FSDP2 holds, ``_StridedShard`` included): nothing is copied until the
-    caller copies it into the shard. Only placements that block arithmetic does not cut fall back to
-    ``distribute_tensor``, which builds the pieces of every rank first.
-    """
-    view = local_view(full.detach(), dtensor)
-    if view is not None:
-        return view
-    return distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None).to_local()
-
-
-def _slice_into(dtensor: DTensor, full: torch.Tensor) -> None:
-    """Copy this rank's slice of ``full`` (written whole by an initializer) into ``dtensor``'s local shard."""
-    with torch.no_grad():
-        dtensor.to_local().copy_(_local_part(dtensor, full))
-
-
-class _FullSizeInit(TorchFunctionMode):
-    """Runs in-place initializers on DTensors at full size on a plain tensor, then keeps this rank's slice.
-
-    Handled at the outermost call: an ``nn.init`` function that dispatches here runs whole on the plain
-    tensor (its inner calls then see no DTensor); one that does not dispatch is plain Python whose random
-    ``Tensor`` methods arrive here one by one. Memory: one full-size tensor at a time.
-    """
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func in _FULL_SIZE_FUNCTIONS or getattr(func, "__name__", None) in _FULL_SIZE_NAMES:
-            in_args = bool(args) and isinstance(args[0], DTensor)
-            target = args[0] if in_args else kwargs.get("tensor")
-            if isinstance(target, DTensor) and not target.is_meta:
-                full = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-                if in_args:
-                    args = (full, *args[1:])
-                else:
-                    kwargs["tensor"] = full
-                func(*args, **kwargs)
-                _slice_into(target, full)
-                return target
-        return func(*args, **kwargs)
-
-
-def _run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...]) -> None:
-    """Run ``hook`` with ``module``'s own DTensors and its ``keep`` tensors behind stand-ins.
-
-    A DTensor's stand-in is a full-size plain tensor filled with the unwritten marker; afterwards what the hook
-    wrote of this rank's slice goes into the DTensor (unless the tensor is in ``keep``), and the rest keeps its
-    value (an earlier hook's, or the marker). A plain ``keep`` tensor's stand-in is a copy; the originals of
-    ``keep`` come back untouched. A stand-in the hook replaced is left as the hook set it. Other modules'
-    DTensors are handled by :class:`_FullSizeInit`.
-    """
-    swapped: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, t in _own_tensors(module):
-        if isinstance(t, DTensor):
-            data = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            mark_unwritten(data)
-        elif name in keep:
-            data = t.detach().clone()
-        else:
-            continue
-        stand_in = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-        swapped[name] = (t, stand_in)
-        setattr(module, name, stand_in)
-    try:
-        with _FullSizeInit():
-            hook()
-    finally:
-        filled: list[tuple[DTensor, torch.Tensor]] = []
-        for name, (original, stand_in) in swapped.items():
-            if name in keep or getattr(module, name) is stand_in:
-                setattr(module, name, original)
-                if name not in keep and isinstance(original, DTensor):
-                    filled.append((original, stand_in))
-    for original, stand_in in filled:  # reached only when the hook returned
-        merge_written(original.to_local(), _local_part(original, stand_in))
 
 
 def _device_rng(device: torch.device) -> Any:
@@ -304,6 +202,7 @@ def _ranks_agree_on_rng(device: torch.device) -> Iterator[None]:
 def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
     """Run the hooks children first, then the root hook; warn about the hooks skipped."""
     skipped: list[str] = []
+    scratch = Scratch()  # full-size buffers, reused from hook to hook
     for node in nodes:
         reset = getattr(node.module, "reset_parameters", None)
         if not node.subtree_meta or not callable(reset):
@@ -311,14 +210,14 @@ def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
         if node.reaches_others and node.real_example is not None:
             skipped.append(_skip_message(node, "reset_parameters"))
             continue
-        _run_hook(node.module, reset, keep=node.real_names)
+        run_hook(node.module, reset, keep=node.real_names, scratch=scratch)
     root_node = nodes[-1]
     init_weights = getattr(root, "init_weights", None)
     if callable(init_weights):
         if root_node.real_example is not None:
             skipped.append(_skip_message(root_node, "init_weights"))
         else:
-            _run_hook(root, init_weights, keep=())
+            run_hook(root, init_weights, keep=(), scratch=scratch)
     if skipped:
         rank_zero_warn(
             "Meta-device initialization skipped hooks that would overwrite real tensors:\n"

@@ -1,0 +1,185 @@
+"""Running a module's initializers at full size on sharded (DTensor) tensors, keeping this rank's block.
+
+An initializer written for one process (``reset_parameters()``, a root ``init_weights()``) runs on full-size
+plain tensors, and each rank keeps its block of the result, cut by block arithmetic (:mod:`modelpar._blocks`,
+FSDP2's own layout, ``_StridedShard`` of FSDP over TP included) as a ``narrow`` view and copied into the local
+shard: nothing larger than one full-size tensor plus the local shard exists per tensor, and nothing is
+communicated. Two ways in:
+
+* :func:`run_hook` swaps a module's own DTensors for full-size stand-ins while its hook runs, so arbitrary code
+  works on them; what the hook wrote goes into the shards afterwards.
+* :class:`FullSizeInit`, a torch-function mode active during every hook, performs each in-place ``nn.init.*_``
+  call and random ``Tensor`` method (``normal_``, ``uniform_`` ...) on another module's DTensor at full size.
+
+Full-size buffers come from a :class:`Scratch` pool that lives for one materialization: the pages of a fresh
+buffer are faulted in by the kernel on first touch, which cost as much as the draws themselves when every
+tensor got a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
+
+from modelpar._blocks import local_view
+from modelpar._unwritten import mark_unwritten, merge_written
+
+__all__ = ["FullSizeInit", "Scratch", "own_tensors", "run_hook"]
+
+_RANDOM_TENSOR_METHODS = (
+    "normal_",
+    "uniform_",
+    "bernoulli_",
+    "exponential_",
+    "log_normal_",
+    "cauchy_",
+    "geometric_",
+    "random_",
+)
+#: In-place initializers a hook may call on another module's DTensor; each is run at full size instead.
+#: (Of ``nn.init``, the torch-function mode sees only those that dispatch through ``__torch_function__``;
+#: the others are plain Python over ``Tensor`` methods, whose random ones the mode sees one by one.)
+_FULL_SIZE_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+    [getattr(torch.Tensor, name) for name in _RANDOM_TENSOR_METHODS]
+    + [getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+)
+#: The same initializers recognised by name: libraries swap ``torch.nn.init``'s functions for guarded wrappers of
+#: the same name while they initialize (Hugging Face's ``guard_torch_init_functions``), and ``nn.init``'s own
+#: dispatch then hands the mode the wrapper, whose inner calls the mode (popped while it runs) would not see.
+_FULL_SIZE_NAMES = frozenset(name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_"))
+
+
+def own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s own parameters and buffers (not its children's), by attribute name."""
+    return list(itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)))
+
+
+class Scratch:
+    """Reusable flat buffers for full-size stand-ins, per dtype and device, handed out as contiguous views.
+
+    :meth:`take` gives the smallest free buffer that is large enough, or a new one (dropping the largest free one
+    that is too small, so the pool holds no more buffers than were in use at once); :meth:`give` takes it back.
+    A caller must not keep a view after giving it back: the next tensor is drawn into the same memory.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of ``like``'s (global) shape, dtype and device, with arbitrary contents."""
+        numel = like.numel()
+        free = self._free.setdefault((like.dtype, like.device), [])
+        sizes = [b.numel() for b in free]  # by position: tensors compare elementwise, not by identity
+        fits = [i for i, size in enumerate(sizes) if size >= numel]
+        if fits:
+            buffer = free.pop(min(fits, key=sizes.__getitem__))
+        else:
+            if free:
+                free.pop(max(range(len(free)), key=sizes.__getitem__))
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(like.shape)
+
+    def give(self, view: torch.Tensor) -> None:
+        """Return the buffer behind a view from :meth:`take`."""
+        base = view._base if view._base is not None else view
+        self._free.setdefault((base.dtype, base.device), []).append(base)
+
+
+def _local_part(dtensor: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``full`` as laid out in ``dtensor``, without communication.
+
+    A view (``narrow`` per dim, the block FSDP2 holds, ``_StridedShard`` included): nothing is copied until the
+    caller copies it into the shard. Only placements that block arithmetic does not cut fall back to
+    ``distribute_tensor``, which builds the pieces of every rank first.
+    """
+    view = local_view(full.detach(), dtensor)
+    if view is not None:
+        return view
+    return distribute_tensor(full.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None).to_local()
+
+
+def _slice_into(dtensor: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of ``full`` (written whole by an initializer) into ``dtensor``'s local shard."""
+    with torch.no_grad():
+        dtensor.to_local().copy_(_local_part(dtensor, full))
+
+
+class FullSizeInit(TorchFunctionMode):
+    """Runs in-place initializers on DTensors at full size on a plain tensor, then keeps this rank's slice.
+
+    Handled at the outermost call: an ``nn.init`` function that dispatches here runs whole on the plain
+    tensor (its inner calls then see no DTensor); one that does not dispatch is plain Python whose random
+    ``Tensor`` methods arrive here one by one. Memory: one full-size tensor at a time.
+    """
+
+    def __init__(self, scratch: Scratch) -> None:
+        super().__init__()
+        self._scratch = scratch
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _FULL_SIZE_FUNCTIONS or getattr(func, "__name__", None) in _FULL_SIZE_NAMES:
+            in_args = bool(args) and isinstance(args[0], DTensor)
+            target = args[0] if in_args else kwargs.get("tensor")
+            if isinstance(target, DTensor) and not target.is_meta:
+                full = self._scratch.take(target)
+                if in_args:
+                    args = (full, *args[1:])
+                else:
+                    kwargs["tensor"] = full
+                func(*args, **kwargs)
+                _slice_into(target, full)
+                self._scratch.give(full)
+                return target
+        return func(*args, **kwargs)
+
+
+def run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...], scratch: Scratch) -> None:
+    """Run ``hook`` with ``module``'s own DTensors and its ``keep`` tensors behind stand-ins.
+
+    A DTensor's stand-in is a full-size plain tensor filled with the unwritten marker; afterwards what the hook
+    wrote of this rank's slice goes into the DTensor (unless the tensor is in ``keep``), and the rest keeps its
+    value (an earlier hook's, or the marker). A plain ``keep`` tensor's stand-in is a copy; the originals of
+    ``keep`` come back untouched. A stand-in the hook replaced is left as the hook set it. Other modules'
+    DTensors are handled by :class:`FullSizeInit`.
+    """
+    swapped: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    drawn: list[torch.Tensor] = []  # the scratch views behind the DTensors' stand-ins
+    for name, t in own_tensors(module):
+        if isinstance(t, DTensor):
+            data = scratch.take(t)
+            drawn.append(data)
+            mark_unwritten(data)
+        elif name in keep:
+            data = t.detach().clone()
+        else:
+            continue
+        stand_in = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        swapped[name] = (t, stand_in)
+        setattr(module, name, stand_in)
+    try:
+        with FullSizeInit(scratch):
+            hook()
+    finally:
+        filled: list[tuple[DTensor, torch.Tensor]] = []
+        for name, (original, stand_in) in swapped.items():
+            if name in keep or getattr(module, name) is stand_in:
+                setattr(module, name, original)
+                if name not in keep and isinstance(original, DTensor):
+                    filled.append((original, stand_in))
+    for original, stand_in in filled:  # reached only when the hook returned
+        merge_written(original.to_local(), _local_part(original, stand_in))
+    for data in drawn:
+        scratch.give(data)
