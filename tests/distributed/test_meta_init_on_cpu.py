@@ -305,3 +305,54 @@ def test_meta_init_gives_every_rank_its_slice_of_the_single_process_model_on_eve
     assert not [
         m for case, r in results[0].items() if case != "unwritten" for m in r.get("messages", []) if "incomplete" in m
     ]
+
+
+class Uneven(nn.Module):
+    """Dims 7, 9, 13 (none divides by 2 or 3), so FSDP over TP leaves pieces of different sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(9, 7)  # column-parallel: (7, 9) cut on dim 0 by TP, then by FSDP
+        self.mid = nn.Linear(7, 13)  # column-parallel: (13, 7)
+        self.down = nn.Linear(13, 9)  # row-parallel: (9, 13) on dim 1 by TP, on dim 0 by FSDP
+
+
+def shard_uneven(model: nn.Module, mesh: Any) -> nn.Module:
+    plan = {"up": ColwiseParallel(), "mid": ColwiseParallel(), "down": RowwiseParallel()}
+    parallelize_module(model, mesh["tensor_parallel"], plan)
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def uneven_grid() -> dict[str, Any]:
+    """3x2 and 2x3: each rank's shard is what FSDP2 holds of the eager model, and ``full_tensor()`` is that model."""
+    out: dict[str, Any] = {}
+    for dp, tp in ((3, 2), (2, 3)):
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        torch.manual_seed(0)
+        held = shard_uneven(Uneven(), mesh)  # FSDP2 shards the eager model's values itself: the truth per rank
+        torch.manual_seed(0)
+        eager = Uneven()
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = shard_uneven(Uneven(), mesh)
+        materialize_module(model, CPU)
+        held_state = held.state_dict()
+        placements = set()
+        for name, p in model.state_dict().items():
+            placements.update(type(pl).__name__ for pl in p.placements)
+            want, where = held_state[name].to_local(), f"{dp}x{tp} {name} {p.placements}"
+            assert p.to_local().shape == want.shape, f"{where}: {tuple(p.to_local().shape)}, FSDP2 holds {want.shape}"
+            torch.testing.assert_close(p.to_local(), want, atol=0, rtol=0, msg=lambda m, w=where: f"{w}: {m}")
+            full = p.full_tensor()
+            torch.testing.assert_close(
+                full, eager.state_dict()[name], atol=0, rtol=0, msg=lambda m, w=where: f"{w}: {m}"
+            )
+        out[f"{dp}x{tp}"] = sorted(placements)
+    return out
+
+
+def test_meta_init_on_uneven_3x2_and_2x3_gives_every_rank_the_block_fsdp2_holds() -> None:
+    """Where ``distribute_tensor`` reads FSDP over TP differently from FSDP2 (sizes that do not divide)."""
+    results: list[dict[str, Any]] = run_distributed(uneven_grid, 6)
+    assert "_StridedShard" in results[0]["3x2"]
