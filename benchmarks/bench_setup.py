@@ -13,6 +13,7 @@ rotates every repeat, so a change in the machine's load hits all alike):
   Lightning does, without Fabric);
 * ``eager build``: ``Llama(cfg)`` on plain CPU tensors in every rank: the draws one process makes, the floor of
   any set-up that gives every layout the one-process values (on CPU every rank has to draw them all);
+* ``parallelize_llama alone``: the sharding of the meta model that every other set-up variant includes;
 * ``modelpar materialize_module``: ``parallelize_llama`` + our ``materialize_module`` alone (no Fabric);
 * with ``--before-ref``: the same with ``materialize_module`` of ``src/modelpar/_materialize.py`` at that git
   revision (a self-contained module until this change), to compare before and after in one run.
@@ -135,6 +136,7 @@ def main() -> None:
         "raw torch": raw_torch(mesh),
         "modelpar materialize_module": materialize_with(materialize_module, mesh),
         "eager build": eager_build,
+        "parallelize_llama alone": lambda cfg: parallelize_llama(on_meta(cfg), mesh),
     }
     if args.before_ref:
         variants[f"modelpar at {args.before_ref}"] = materialize_at(args.before_ref, mesh)
