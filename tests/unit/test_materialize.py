@@ -265,3 +265,22 @@ def test_a_reset_parameters_that_recreates_a_tensor_on_meta_raises() -> None:
 
     with pytest.raises(RuntimeError, match=r"still on the meta device: weight\."):
         materialized(Recreates)
+
+
+def test_full_size_buffers_are_reused_from_tensor_to_tensor_and_hold_no_more_than_were_in_use_at_once() -> None:
+    from modelpar._full_size import Scratch
+
+    scratch = Scratch()
+    like = torch.empty(4, 6)
+    first = scratch.take(like)
+    assert first.shape == (4, 6) and first.is_contiguous()
+    scratch.give(first)
+    smaller = scratch.take(torch.empty(3, 5))
+    assert smaller.data_ptr() == first.data_ptr()  # the same memory, no new pages to fault in
+    other = scratch.take(like)  # in use at the same time: a second buffer
+    assert other.data_ptr() != smaller.data_ptr()
+    scratch.give(smaller)
+    scratch.give(other)
+    larger = scratch.take(torch.empty(10, 10))  # replaces the largest free one that is too small
+    scratch.give(larger)
+    assert sorted(b.numel() for b in scratch._free[(torch.float32, CPU)]) == [24, 100]
