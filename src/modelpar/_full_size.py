@@ -118,9 +118,10 @@ class FullSizeInit(TorchFunctionMode):
     ``Tensor`` methods arrive here one by one. Memory: one full-size tensor at a time.
     """
 
-    def __init__(self, scratch: Scratch) -> None:
+    def __init__(self, scratch: Scratch, written: set[int]) -> None:
         super().__init__()
         self._scratch = scratch
+        self._written = written
 
     def __torch_function__(
         self,
@@ -141,19 +142,23 @@ class FullSizeInit(TorchFunctionMode):
                     kwargs["tensor"] = full
                 func(*args, **kwargs)
                 _slice_into(target, full)
+                self._written.add(id(target))
                 self._scratch.give(full)
                 return target
         return func(*args, **kwargs)
 
 
-def run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...], scratch: Scratch) -> None:
+def run_hook(
+    module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...], scratch: Scratch, written: set[int]
+) -> None:
     """Run ``hook`` with ``module``'s own DTensors and its ``keep`` tensors behind stand-ins.
 
-    A DTensor's stand-in is a full-size plain tensor filled with the unwritten marker; afterwards what the hook
-    wrote of this rank's slice goes into the DTensor (unless the tensor is in ``keep``), and the rest keeps its
+    A DTensor's stand-in is a full-size plain tensor whose block for this rank is filled with the unwritten
+    marker (the rest holds whatever the scratch buffer held); afterwards what the hook wrote of the block goes
+    into the DTensor (unless the tensor is in ``keep``), and the rest keeps its
     value (an earlier hook's, or the marker). A plain ``keep`` tensor's stand-in is a copy; the originals of
     ``keep`` come back untouched. A stand-in the hook replaced is left as the hook set it. Other modules'
-    DTensors are handled by :class:`FullSizeInit`.
+    DTensors are handled by :class:`FullSizeInit`. The ids of DTensors written whole go into ``written``.
     """
     swapped: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     drawn: list[torch.Tensor] = []  # the scratch views behind the DTensors' stand-ins
@@ -161,7 +166,10 @@ def run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...
         if isinstance(t, DTensor):
             data = scratch.take(t)
             drawn.append(data)
-            mark_unwritten(data)
+            # Only this rank's block is merged back, so only it needs the marker (a quarter of the memory
+            # traffic at 2x2); where the block is not a view of ``data``, the whole stand-in is marked.
+            block = local_view(data, t)
+            mark_unwritten(block if block is not None else data)
         elif name in keep:
             data = t.detach().clone()
         else:
@@ -170,7 +178,7 @@ def run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...
         swapped[name] = (t, stand_in)
         setattr(module, name, stand_in)
     try:
-        with FullSizeInit(scratch):
+        with FullSizeInit(scratch, written):
             hook()
     finally:
         filled: list[tuple[DTensor, torch.Tensor]] = []
@@ -180,6 +188,7 @@ def run_hook(module: nn.Module, hook: Callable[[], object], keep: tuple[str, ...
                 if name not in keep and isinstance(original, DTensor):
                     filled.append((original, stand_in))
     for original, stand_in in filled:  # reached only when the hook returned
-        merge_written(original.to_local(), _local_part(original, stand_in))
+        if merge_written(original.to_local(), _local_part(original, stand_in)):
+            written.add(id(original))
     for data in drawn:
         scratch.give(data)

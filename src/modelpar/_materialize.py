@@ -199,10 +199,14 @@ def _ranks_agree_on_rng(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
-    """Run the hooks children first, then the root hook; warn about the hooks skipped."""
+def _initialize(root: nn.Module, nodes: list[_Node]) -> set[int]:
+    """Run the hooks children first, then the root hook; warn about the hooks skipped.
+
+    Returns the ids of the DTensors known to be written whole (they need no check for the marker).
+    """
     skipped: list[str] = []
     scratch = Scratch()  # full-size buffers, reused from hook to hook
+    written: set[int] = set()
     for node in nodes:
         reset = getattr(node.module, "reset_parameters", None)
         if not node.subtree_meta or not callable(reset):
@@ -210,29 +214,33 @@ def _initialize(root: nn.Module, nodes: list[_Node]) -> None:
         if node.reaches_others and node.real_example is not None:
             skipped.append(_skip_message(node, "reset_parameters"))
             continue
-        run_hook(node.module, reset, keep=node.real_names, scratch=scratch)
+        run_hook(node.module, reset, keep=node.real_names, scratch=scratch, written=written)
     root_node = nodes[-1]
     init_weights = getattr(root, "init_weights", None)
     if callable(init_weights):
         if root_node.real_example is not None:
             skipped.append(_skip_message(root_node, "init_weights"))
         else:
-            run_hook(root, init_weights, keep=(), scratch=scratch)
+            run_hook(root, init_weights, keep=(), scratch=scratch, written=written)
     if skipped:
         rank_zero_warn(
             "Meta-device initialization skipped hooks that would overwrite real tensors:\n"
             + "\n".join(f"- {s}" for s in skipped)
         )
+    return written
 
 
-def _unwritten_report(nodes: list[_Node]) -> list[tuple[str, str, int, int]]:
-    """(tensor path, module class, elements unwritten, elements) of this rank's shards no initializer fully wrote."""
+def _unwritten_report(nodes: list[_Node], written: set[int]) -> list[tuple[str, str, int, int]]:
+    """(tensor path, module class, elements unwritten, elements) of this rank's shards no initializer fully wrote.
+
+    Tensors in ``written`` (ids of DTensors written whole) are skipped.
+    """
     report: list[tuple[str, str, int, int]] = []
     seen: set[int] = set()
     for node in nodes:
         for name in node.meta_names:
             t = getattr(node.module, name, None)
-            if not isinstance(t, torch.Tensor) or id(t) in seen or t.is_meta:
+            if not isinstance(t, torch.Tensor) or id(t) in seen or id(t) in written or t.is_meta:
                 continue
             seen.add(id(t))  # a tied tensor is named once, at its first owner
             mask = unwritten_mask(t)
@@ -250,13 +258,13 @@ def _unwritten_report(nodes: list[_Node]) -> list[tuple[str, str, int, int]]:
     return report
 
 
-def _warn_unwritten(nodes: list[_Node]) -> None:
+def _warn_unwritten(nodes: list[_Node], written: set[int]) -> None:
     """Name, on rank 0, every allocated tensor that no initializer wrote (wholly or partly) on any rank.
 
     Each rank checks its own shards for the marker; with several ranks the (usually empty) reports are
     gathered, so a tensor unwritten only in another rank's shard is named too.
     """
-    reports = [_unwritten_report(nodes)]
+    reports = [_unwritten_report(nodes, written)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, reports[0])
@@ -311,7 +319,7 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
     nodes = _plan(module)
     _allocate(module, device)
     with _ranks_agree_on_rng(device):
-        _initialize(module, nodes)
+        written = _initialize(module, nodes)
     still_meta = _meta_tensor_names(module)
     if still_meta:
         raise RuntimeError(
@@ -320,4 +328,4 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
             " probably re-created them on the meta device; make it fill the existing tensors in place"
             " (e.g. `nn.init.*` or `tensor.copy_`)."
         )
-    _warn_unwritten(nodes)
+    _warn_unwritten(nodes, written)

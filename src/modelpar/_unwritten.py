@@ -49,15 +49,17 @@ def unwritten_mask(t: torch.Tensor) -> torch.Tensor | None:
     return _local(t).view(marker[0]) == marker[1]
 
 
-def merge_written(target: torch.Tensor, source: torch.Tensor) -> None:
+def merge_written(target: torch.Tensor, source: torch.Tensor) -> bool:
     """Copy ``source`` into ``target`` (same shape) except where ``source`` still holds the marker.
 
     What an initializer left unwritten in a stand-in keeps the value it had before (written by an earlier
-    hook, or the marker), instead of being overwritten by the stand-in's.
+    hook, or the marker), instead of being overwritten by the stand-in's. Returns whether all of ``target`` was
+    written (then it needs no check later: nothing writes the marker back).
     """
     mask = unwritten_mask(source)
     with torch.no_grad():
         if mask is None or not bool(mask.any()):
             target.copy_(source)
-        else:
-            target.copy_(torch.where(mask, target, source))
+            return True
+        target.copy_(torch.where(mask, target, source))
+        return False
