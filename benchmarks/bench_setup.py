@@ -18,7 +18,8 @@ rotates every repeat, so a change in the machine's load hits all alike):
 * with ``--before-ref``: the same with ``materialize_module`` of ``src/modelpar/_materialize.py`` at that git
   revision (a self-contained module until this change), to compare before and after in one run.
 
-Per variant: wall time of the slowest rank and the peak anonymous resident memory added on the worst rank
+Per variant: wall time of the slowest rank, CPU time summed over the ranks (the work done: far less distorted
+than the wall time on a shared machine) and the peak anonymous resident memory added on the worst rank
 (``bench_checkpoint.measure``), medians over the repeats after one unmeasured round; rank 0 prints a markdown
 table with ratios to Lightning and to the eager build, and the 1-minute load average before and after.
 """
@@ -33,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +121,25 @@ def materialize_at(ref: str, mesh: DeviceMesh) -> Callable[[LlamaConfig], Any]:
     return materialize_with(module.materialize_module, mesh)
 
 
+def measure(fn: Callable[[], Any]) -> tuple[float, int, float]:
+    """(wall seconds of the slowest rank, peak added anonymous RSS of the worst rank, CPU seconds of all ranks).
+
+    The CPU seconds are the work done, which a machine shared with other jobs distorts far less than the wall
+    time (4 ranks on 2 cores wait for each other's draws).
+    """
+    cpu = [0.0]
+
+    def run() -> None:
+        start = time.process_time()
+        fn()
+        cpu[0] = time.process_time() - start
+
+    wall, peak = bench_checkpoint.measure(run)
+    total = torch.tensor([cpu[0]], dtype=torch.float64)
+    dist.all_reduce(total)
+    return wall, peak, float(total[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="small", choices=sorted(bench_checkpoint.SIZES))
@@ -142,33 +163,33 @@ def main() -> None:
         variants[f"modelpar at {args.before_ref}"] = materialize_at(args.before_ref, mesh)
     names = list(variants)
     before_load = bench_checkpoint.load_average()[0]
-    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
+    samples: dict[str, list[tuple[float, int, float]]] = {name: [] for name in names}
     for i in range(args.repeats + 1):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             gc.collect()
-            result = bench_checkpoint.measure(lambda n=name: variants[n](cfg))
+            result = measure(lambda n=name: variants[n](cfg))
             if i:  # the first round warms up (lazy imports, allocator, process-group set-up)
                 samples[name].append(result)
     after_load = bench_checkpoint.load_average()[0]
     if dist.get_rank() == 0:
         n_params = sum(p.numel() for p in on_meta(cfg).parameters())
-        med = {
-            name: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v))
-            for name, v in samples.items()
-        }
+        med = {name: [statistics.median(s[k] for s in v) for k in range(3)] for name, v in samples.items()}
         spread = {name: (min(s[0] for s in v), max(s[0] for s in v)) for name, v in samples.items()}
-        lt, eager = med["lightning"][0], med["eager build"][0]
         mib = 1024 * 1024
         print(
             f"\n### set-up, {n_params / 1e6:.1f}M parameters, mesh 2x2 on {dist.get_world_size()} CPU processes (gloo),"
             f" torch {torch.__version__}, median of {args.repeats}\n"
         )
-        print("| variant | s (min-max) | / Lightning | / eager build | peak MiB |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| variant | wall s (min-max) | / Lightning | / eager | CPU s | / Lightning | / eager | peak MiB |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        lt, eager = med["lightning"], med["eager build"]
         for name in names:
-            t, peak = med[name]
+            t, peak, cpu = med[name]
             lo, hi = spread[name]
-            print(f"| {name} | {t:.3f} ({lo:.3f}-{hi:.3f}) | {t / lt:.2f} | {t / eager:.2f} | {peak / mib:.0f} |")
+            print(
+                f"| {name} | {t:.3f} ({lo:.3f}-{hi:.3f}) | {t / lt[0]:.2f} | {t / eager[0]:.2f} | {cpu:.3f}"
+                f" | {cpu / lt[2]:.2f} | {cpu / eager[2]:.2f} | {peak / mib:.0f} |"
+            )
         print(f"\n1-minute load average: {before_load:.2f} before, {after_load:.2f} after")
         sys.stdout.flush()
     dist.barrier()
