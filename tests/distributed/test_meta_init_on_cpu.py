@@ -9,8 +9,11 @@ tensor first, FSDP the TP-local part), independent of the ``distribute_tensor`` 
 Also: a root ``init_weights`` that initializes DTensors of other modules (in-place ``nn.init`` and random
 ``Tensor`` methods, outermost and nested); ranks seeded differently (rank 0's state is used, with a
 warning); a set-up and trained model keeps its weights bit-exactly when a new meta submodule is
-materialized. The plan's logits must not be a view, and torch's "DTensor random operators" warning must
-not appear. One spawn of 4 processes runs everything.
+materialized; a tensor no initializer wrote (a parent's ``reset_parameters()`` forgets it) is named in one
+warning on rank 0 only, and a root ``init_weights()`` that leaves a tensor alone does not overwrite what
+``reset_parameters()`` wrote. The plan's logits must not be a view, and torch's "DTensor random operators"
+warning must not appear. One spawn of 4 processes runs everything; one of 6 checks 3x2 and 2x3 with sizes that
+do not divide, against what FSDP2 itself holds.
 """
 
 from __future__ import annotations
