@@ -10,6 +10,7 @@ through the precision plugin.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ if not installed("pytorch"):  # pragma: no cover - exercised only without the ex
 
 import torch
 from lightning_utilities.core.overrides import is_overridden
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,6 +41,7 @@ from modelpar._grad_sync import AccumulationMode
 from modelpar._mesh import SizeArg
 from modelpar._precision import without_autocast
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
+from modelpar.checkpoint._state import state_dict_options
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -263,7 +265,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         """Sharded state dict, or (``save_distributed_checkpoint=False``) the full one on rank 0 only."""
         assert self.model is not None
         full = not self._core.save_distributed_checkpoint
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=True))
+        return get_model_state_dict(self.model, options=state_dict_options(full=full))  # shards: not offloaded
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -272,8 +274,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         if isinstance(optimizer, classes("pytorch", "core.optimizer.LightningOptimizer")):
             optimizer = optimizer._optimizer  # type: ignore[attr-defined]
         full = not self._core.save_distributed_checkpoint
-        options = StateDictOptions(full_state_dict=full, cpu_offload=True)
-        state = get_optimizer_state_dict(self.model, optimizer, options=options)
+        state = get_optimizer_state_dict(self.model, optimizer, options=state_dict_options(full=full))
         if full and self.global_rank == 0:  # positions, so DDP and single-device runs can load it
             state = optimizer_state_to_positions(state, self.model, optimizer)
         return state
@@ -283,14 +284,18 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         """Write the Trainer's checkpoint dict atomically, in the same layout as Lightning's strategy."""
         path = self._checkpoint_path(filepath, storage_options)
         assert self.model is not None
-        if not self._core.save_distributed_checkpoint:
-            self._core.checkpointer.write(path, checkpoint, {}, full=True, live_modules=[self.model])
+        write = functools.partial(  # the model and optimizers the state comes from (async full saves copy less)
+            self._core.checkpointer.write, live_modules=[self.model], live_optimizers=list(self.optimizers)
+        )
+        if not self._core.save_distributed_checkpoint:  # the gathered model and optimizers, and the rest
+            gathered = {k: v for k, v in checkpoint.items() if k in ("state_dict", "optimizer_states")}
+            write(path, gathered, {k: v for k, v in checkpoint.items() if k not in gathered}, full=True)
             return
         metadata = dict(checkpoint)
         tensors = {"state_dict": metadata.pop("state_dict")}
         for idx, optim_state in enumerate(metadata.pop("optimizer_states", [])):
             tensors[f"optimizer_{idx}"] = optim_state
-        self._core.checkpointer.write(path, tensors, metadata, full=False, live_modules=[self.model])
+        write(path, tensors, metadata, full=False)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

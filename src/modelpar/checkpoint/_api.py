@@ -30,7 +30,11 @@ def save_state(
 
     ``known_modules``: models set up elsewhere (by a strategy) that an optimizer in ``state`` may belong to.
     """
-    Checkpointer().save(path, state, full=full, filter=filter, known_modules=known_modules)
+    checkpointer = Checkpointer()
+    try:
+        checkpointer.save(path, state, full=full, filter=filter, known_modules=known_modules)
+    finally:
+        checkpointer.close()  # the previous checkpoint at ``path`` is deleted when this returns
 
 
 def load_state(

@@ -4,8 +4,9 @@ One instance per strategy (held by the shared core), so Fabric, the Trainer and 
 same guarantees:
 
 * a checkpoint appears at its path only when complete (see :mod:`modelpar.checkpoint._commit`);
-* with ``async_save=True``, ``save`` returns once the state is staged (every tensor copied to CPU memory,
-  everything else deep-copied: see :class:`_Staging`) and the writing goes on in a background thread over a
+* with ``async_save=True``, ``save`` returns once the state is staged (every tensor copied once to CPU
+  memory, everything else deep-copied: see :mod:`modelpar.checkpoint._staging`) and the writing goes on in
+  a background thread over a
   dedicated gloo process group, so it never interleaves with the training's own collectives; the next
   ``save``, any ``load`` and ``wait()`` wait for it, and ``close()`` also releases the staging memory;
 * a failure on one rank (preparing, writing, committing, in the background too) raises on every rank, at
@@ -16,9 +17,8 @@ same guarantees:
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
 from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_error, run_agreed
-from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, staging_path, sync_shards
 from modelpar.checkpoint._dcp_read import root_cause
-from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA
+from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, replaceable_folder
+from modelpar.checkpoint._staging import Staging, live_storages, private_tensors
 from modelpar.checkpoint._state import FilterFns, split_state
 
 __all__ = ["Checkpointer"]
@@ -64,8 +64,10 @@ class Checkpointer:
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._outstanding: str | None = None  # what a background save does, until ``wait``: the same on every rank
+        self._trash = Trash()  # rank 0: previous checkpoints, deleted after their commit in the background
+        self.staged_bytes = 0  # this rank's bytes copied by the last asynchronous save's staging
 
     # -- saving ------------------------------------------------------------------------------------------
     def save(
@@ -86,7 +88,9 @@ class Checkpointer:
                 " `save(path, {'model': model, 'optimizer': optimizer, ...})`, set up through the strategy first."
             )
         tensors, metadata = _io.gather_state(split, full=full, filters=filter)
-        self.write(path, tensors, metadata, full=full, live_modules=[*split.modules.values(), *known_modules])
+        optimizers = [optimizer for optimizer, _ in split.optimizers.values()]
+        modules = [*split.modules.values(), *known_modules]
+        self.write(path, tensors, metadata, full=full, live_modules=modules, live_optimizers=optimizers)
 
     def write(
         self,
@@ -96,13 +100,17 @@ class Checkpointer:
         *,
         full: bool,
         live_modules: Sequence[nn.Module] = (),
+        live_optimizers: Sequence[Optimizer] = (),
     ) -> None:
         """Write already-gathered state: ``tensors`` (state dicts) and ``metadata`` (anything picklable).
 
         Distributed: ``tensors`` are this rank's sharded state dicts, written with DCP; ``metadata`` goes to
         ``meta.pt``. Full: rank 0 writes ``{**tensors, **metadata}`` to one file. Atomic either way, and
-        asynchronous when the checkpointer is: then every tensor is copied before this returns, whatever it
-        shares memory with, so ``live_modules`` (the models the tensors may come from) need not be complete.
+        asynchronous when the checkpointer is: then the state is a snapshot when this returns. Distributed:
+        every tensor is copied once (take the shards on their device, not offloaded first). Full: ``tensors``
+        are the full state dicts gathered to the CPU, fresh copies already, written as they are, except the
+        tensors that share memory with ``live_modules`` or ``live_optimizers`` (the models and optimizers the
+        state comes from: list them all), which are copied; ``metadata`` is copied whole.
         """
         self.wait()
         path = Path(path)
@@ -116,8 +124,16 @@ class Checkpointer:
             if leader:
                 payload = {**tensors, **metadata}
                 if self.async_save:  # the training goes on while the file is written: write a snapshot
-                    payload = _Staging().stage(payload)  # copies not kept: rank 0 would hold a whole model
-            self._run(f"Writing the checkpoint {where}", lambda: _write_file(payload, staged, path, token), leader)
+                    private = private_tensors(tensors, live_storages(live_modules, live_optimizers))
+                    stager = Staging()  # copies not kept: what it copies is small (``step`` counters ...)
+                    payload = stager.stage(payload, private=private)
+                    self.staged_bytes = stager.staged_bytes
+
+            def write_file() -> None:
+                torch.save(payload, staged)
+                commit(path, staged, token, discard=self._trash.discard)
+
+            self._run(f"Writing the checkpoint {where}", write_file, leader)
             return
 
         def write_metadata() -> None:
@@ -125,20 +141,33 @@ class Checkpointer:
 
         run_agreed(f"Writing {USER_METADATA!r} of the checkpoint {where}", write_metadata, here=leader)
         what = f"Committing the checkpoint {where}"
+        durable = f"Making the shards of the checkpoint {where} durable"
+        # Each rank fsyncs the shards it wrote (``sync_shards``), not DCP (``sync_files=False``) nor rank 0.
+        writer = FileSystemWriter(staged, sync_files=False)
+
+        def commit_synced() -> None:
+            commit(path, staged, token, shards_synced=True, discard=self._trash.discard)
+
+        def sync_mine(rank: int) -> None:
+            sync_shards(staged, rank)
+
         if not self.async_save:
-            dcp.save(tensors, checkpoint_id=staged)  # DCP raises a failure on any rank on every rank itself
-            run_agreed(what, lambda: commit(path, staged, token), here=leader)
+            dcp.save(tensors, storage_writer=writer)  # DCP raises a failure on any rank on every rank itself
+            run_agreed(durable, lambda: sync_mine(_rank()))  # also the barrier before the commit
+            run_agreed(what, commit_synced, here=leader)
             return
         # DCP stages (copies) the tensors with our stager before returning; only the writing goes on in the
         # background. ``meta.pt`` is written above, so it is a snapshot too.
-        written: Any = dcp.async_save(
-            tensors, checkpoint_id=staged, process_group=self._group(), async_stager=self._stager()
-        )
+        group = self._group()
+        written: Any = dcp.async_save(tensors, storage_writer=writer, process_group=group, async_stager=self._stager())
+        self.staged_bytes = self._stager().staged_bytes
 
         def finish() -> None:
-            written.result()  # on rank 0 this returns after every rank's shards and .metadata are written
+            written.result()  # returns after every rank's shards and rank 0's .metadata are written
+            rank = dist.get_rank(group) if group is not None else 0
+            run_agreed(durable, lambda: sync_mine(rank), group=group)  # the barrier, on the save's group
             if leader:
-                commit(path, staged, token)
+                commit_synced()
 
         self._run(f"Writing the checkpoint {where}", finish, True)
 
@@ -147,14 +176,16 @@ class Checkpointer:
 
         The staging entry is created here (empty), so that every process can check that it sees it.
         """
-        if path.is_dir() and not (path / DCP_METADATA).is_file():
+        if path.is_dir() and not path.is_symlink() and not replaceable_folder(path):
+            shown = ", ".join(repr(entry.name) for entry in sorted(path.iterdir())[:3])
             raise IsADirectoryError(
-                f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint, and saving would"
-                " replace it. Choose a path inside it, or a new path."
+                f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint (it holds {shown} ...,"
+                f" but no {DCP_METADATA!r} or {USER_METADATA!r}), and saving would replace it, deleting what is"
+                " in it. Choose a path inside it, an empty folder, or a new path."
             )
         token = new_token()
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path)
+        remove_stale(path, busy=self._trash.busy())  # a previous save's old checkpoint may still be deleted
         staged = staging_path(path, token)
         if full:
             staged.touch()
@@ -183,14 +214,14 @@ class Checkpointer:
             self._pending = self._executor.submit(job)
         self._outstanding = what  # on every rank, so every rank exchanges the outcome in ``wait``
 
-    def _stager(self) -> _Staging:
+    def _stager(self) -> Staging:
         """One stager for the run (distributed format): it keeps its CPU copies and refills them on the next save.
 
         Re-allocating (and, from a GPU, pinning) the staging memory on every save costs page faults on the
         training's critical path; reusing it leaves a plain memcpy. :meth:`close` releases it.
         """
         if self._staging is None:
-            self._staging = _Staging()
+            self._staging = Staging()
         return self._staging
 
     def _group(self) -> Any:
@@ -223,11 +254,13 @@ class Checkpointer:
     def close(self) -> None:
         """At the end of a run: :meth:`wait`, then release the staging memory and the writer thread.
 
-        The checkpointer stays usable (a later save allocates anew), e.g. for a second ``trainer.fit``.
+        Also waits until the previous checkpoints that saves replaced are deleted. The checkpointer stays
+        usable (a later save allocates anew), e.g. for a second ``trainer.fit``.
         """
         try:
             self.wait()
         finally:
+            self._trash.wait()
             staging, self._staging = self._staging, None
             executor, self._executor = self._executor, None
             if staging is not None:
@@ -275,78 +308,3 @@ class Checkpointer:
         """Load weights into ``module`` from a raw state-dict file or a distributed folder."""
         self.wait()
         _io.load_raw_module(Path(path), module, strict=strict, weights_only=weights_only)
-
-
-class _Staging(AsyncStager):
-    """A snapshot of a state for a background write: what happens after ``save`` returns cannot reach it.
-
-    Every tensor (weights, optimizer moments and ``step`` counters, tensors in metadata; DTensors as DTensors
-    with a CPU shard) is copied to CPU memory, and everything else, containers included, is deep-copied.
-    ``dcp.async_save`` calls :meth:`stage` (the distributed format); the full format calls it directly. The
-    copies are kept and refilled by the next ``stage`` where the tensor at the same place in the state has the
-    same layout (type, shape, stride, dtype, device, placements), so a run allocates, and from a GPU pins,
-    them once; :meth:`close` releases them.
-    """
-
-    _synchronize_after_execute = False  # the copy is complete when ``stage`` returns
-
-    def __init__(self) -> None:
-        self._copies: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        copies: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
-        memo: dict[int, Any] = {}  # id(tensor) -> its copy, for ``copy.deepcopy`` to put in place
-        with torch.no_grad():
-            for where, tensor in _tensors(state_dict, ()):
-                if id(tensor) in memo:  # one tensor at two places: one copy, as in the original
-                    continue
-                layout = _layout(tensor)
-                kept = self._copies.get(where)
-                target = kept[1] if kept is not None and kept[0] == layout else _empty_cpu_like(tensor)
-                _local(target).copy_(_local(tensor))
-                copies[where] = (layout, target)
-                memo[id(tensor)] = target
-        self._copies = copies
-        # Tensors inside other objects than dicts, lists and tuples are cloned by ``deepcopy`` itself.
-        return copy.deepcopy(state_dict, memo)
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` copies synchronously."""
-
-    def close(self) -> None:
-        self._copies = {}
-
-
-def _tensors(value: Any, where: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    """The plain tensors and DTensors in nested dicts, lists and tuples, with their places."""
-    if type(value) in (torch.Tensor, DTensor):
-        yield where, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, (*where, key))
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _tensors(item, (*where, index))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (the very tensor, under ``no_grad``), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What a kept copy must match to be refilled with ``tensor``."""
-    local = _local(tensor)
-    spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else ()
-    return (type(tensor), local.shape, local.stride(), local.dtype, local.device, tensor.requires_grad, spec)
-
-
-def _empty_cpu_like(tensor: torch.Tensor) -> torch.Tensor:
-    """CPU memory for a copy of ``tensor``: pinned when the copy comes from a GPU, so that copy is fast."""
-    pin = _local(tensor).device.type == "cuda"
-    return torch.empty_like(tensor, device="cpu", pin_memory=pin).requires_grad_(tensor.requires_grad)
-
-
-def _write_file(payload: dict[str, Any], staged: Path, path: Path, token: str) -> None:
-    torch.save(payload, staged)
-    commit(path, staged, token)

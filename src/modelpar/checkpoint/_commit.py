@@ -2,26 +2,42 @@
 
 Every save writes into a staging entry beside the target, ``.<name>.partial-<token>`` (a folder for the
 distributed format, a file for the full one). Only when everything is written does rank 0 move the old
-checkpoint aside (``.<name>.old-<token>``), rename the staging entry to the target, and delete the old one.
-Renames within a folder are atomic, so a crash or kill at any point leaves either the previous checkpoint
-or the new one at the path, never a mix. The leftovers of an interrupted save are recognised by name: load
+checkpoint aside (``.<name>.old-<token>``) and rename the staging entry to the target. Renames within a
+folder are atomic, so a crash or kill at any point leaves either the previous checkpoint or the new one at
+the path, never a mix. The old checkpoint set aside is deleted after the commit, off the ranks' critical
+path (see :class:`Trash`). The leftovers of an interrupted save or deletion are recognised by name: load
 reports them, and the next save to the same path removes them.
 
 A power loss is harsher than a kill: the file system may have persisted a rename but not the data renamed.
-So the commit is ordered for durability: ``fsync`` every file in the staging entry and every folder in it
-(DCP's shards, ``.metadata``, ``meta.pt``, or the one full file), rename, ``fsync`` the parent folder, and
-only then delete the previous checkpoint.
+So the commit is ordered for durability: every file written is ``fsync``-ed before the rename, by the
+process that wrote it (:func:`sync_shards`: each rank its own DCP shards, then a barrier; on Lustre or GPFS
+an ``fsync`` from another client would not flush the writer's pages), then rank 0 ``fsync``-s the rest of
+the staging entry (DCP's ``.metadata``, ``meta.pt``, the one full file) and its folders, renames, ``fsync``-s
+the parent folder, and only then lets the previous checkpoint go.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import threading
 import uuid
+from collections.abc import Callable, Collection
 from pathlib import Path
 
-__all__ = ["commit", "describe_leftovers", "new_token", "remove_stale", "staging_path"]
+from modelpar.checkpoint._format import SHARD_SUFFIX
+
+__all__ = [
+    "Trash",
+    "commit",
+    "describe_leftovers",
+    "new_token",
+    "remove_stale",
+    "staging_path",
+    "sync_shards",
+]
 
 _PARTIAL = ".partial-"
 _OLD = ".old-"
@@ -52,28 +68,39 @@ def _leftovers(path: Path, marker: str) -> list[Path]:
     return sorted(path.parent.glob(f".{path.name}{marker}*"))
 
 
-def remove_stale(path: Path, keep_token: str | None = None) -> None:
+def remove_stale(path: Path, keep_token: str | None = None, *, busy: Collection[Path] = ()) -> None:
     """Delete what interrupted saves to ``path`` left behind, before a new save (by one process per node).
 
     ``keep_token``: the save in progress, whose staging entry and, during its commit, whose previous
-    checkpoint set aside are kept.
+    checkpoint set aside are kept. ``busy``: old checkpoints a :class:`Trash` is deleting right now.
     """
     for entry in _leftovers(path, _PARTIAL):
         if keep_token is None or not entry.name.endswith(keep_token):
             _remove(entry)
     if path.exists():  # an ".old" entry only matters while the path itself is missing
         for entry in _leftovers(path, _OLD):
-            if keep_token is None or not entry.name.endswith(keep_token):
+            if (keep_token is None or not entry.name.endswith(keep_token)) and entry not in busy:
                 _remove(entry)
 
 
-def commit(path: Path, staged: Path, token: str) -> None:
+def commit(
+    path: Path,
+    staged: Path,
+    token: str,
+    *,
+    shards_synced: bool = False,
+    discard: Callable[[Path], None] | None = None,
+) -> None:
     """Replace whatever is at ``path`` (file or folder) with ``staged``, durably (rank 0 only).
 
-    Order: ``fsync`` everything in ``staged``, rename, ``fsync`` the parent folder, delete the old one. At no
+    Order: ``fsync`` everything in ``staged``, rename, ``fsync`` the parent folder, let the old one go. At no
     point can a power loss leave the path without a complete checkpoint, the new one or the old one.
+    ``shards_synced``: every rank has made its own DCP shards durable (:func:`sync_shards`, then a barrier),
+    so they are not ``fsync``-ed again here. ``discard``: what becomes of the previous checkpoint, set aside
+    under a name that the next save removes (a :class:`Trash` deletes it in the background); by default it
+    is deleted before this returns.
     """
-    _sync_tree(staged)
+    _sync_tree(staged, skip_shards=shards_synced)
     aside = _aside_path(path, token)
     had_previous = path.exists() or path.is_symlink()
     if had_previous:
@@ -81,16 +108,31 @@ def commit(path: Path, staged: Path, token: str) -> None:
     os.replace(staged, path)
     _fsync(path.parent, folder=True)
     if had_previous:
-        _remove(aside)
+        (discard or _remove)(aside)
 
 
-def _sync_tree(entry: Path) -> None:
+def sync_shards(staged: Path, rank: int) -> list[Path]:
+    """``fsync`` the DCP shard files that ``rank`` (its rank in the group that saved) wrote into ``staged``.
+
+    Every rank calls this for its own files, before the barrier that precedes rank 0's :func:`commit` with
+    ``shards_synced=True``: O(1) files per rank instead of O(world) on rank 0, and the writer's own client
+    flushes its pages, as parallel file systems need. Returns the files, in order.
+    """
+    files = sorted(staged.glob(f"__{rank}_*{SHARD_SUFFIX}"))
+    for file in files:
+        _fsync(file, folder=False)
+    return files
+
+
+def _sync_tree(entry: Path, *, skip_shards: bool = False) -> None:
     """``fsync`` a staged file, or every file and folder in a staged folder (folders after their content)."""
     if not entry.is_dir() or entry.is_symlink():
         _fsync(entry, folder=False)
         return
     for root, folders, files in os.walk(entry, topdown=False):
         for name in files:
+            if skip_shards and name.endswith(SHARD_SUFFIX):
+                continue
             if not os.path.islink(os.path.join(root, name)):
                 _fsync(Path(root, name), folder=False)
         for name in folders:  # os.walk does not descend into links, and lists them here
@@ -138,3 +180,50 @@ def describe_leftovers(path: Path) -> str:
             " loaded and the next save to this path removes it."
         )
     return "".join(notes)
+
+
+class Trash:
+    """Deletes previous checkpoints set aside by commits in a background thread, off the critical path.
+
+    Deleting a checkpoint of many shard files takes long on some file systems; inside the commit, every rank
+    would wait for it. The entry keeps its ``.<name>.old-<token>`` name until it is gone, so a crash while
+    deleting leaves only that, which the next save to the path removes (:func:`remove_stale`, told by
+    :meth:`busy` which entries are still being deleted here). :meth:`wait` joins the deletions in progress.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[Path] = []
+        self._thread: threading.Thread | None = None
+
+    def discard(self, entry: Path) -> None:
+        """Delete ``entry`` in the background."""
+        with self._lock:
+            self._entries.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="modelpar-ckpt-trash", daemon=True)
+                self._thread.start()
+
+    def busy(self) -> list[Path]:
+        """The entries not yet deleted."""
+        with self._lock:
+            return list(self._entries)
+
+    def wait(self) -> None:
+        """Block until every entry handed to :meth:`discard` is deleted."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._entries:
+                    self._thread = None
+                    return
+                entry = self._entries[0]
+            with contextlib.suppress(OSError):  # what is left keeps a name the next save removes
+                _remove(entry)
+            with self._lock:
+                self._entries.pop(0)

@@ -7,13 +7,27 @@ both ways between the two strategies.
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 
-__all__ = ["DCP_METADATA", "USER_METADATA", "CheckpointFormat"]
+__all__ = ["DCP_METADATA", "SHARD_SUFFIX", "USER_METADATA", "CheckpointFormat", "replaceable_folder"]
 
 DCP_METADATA = ".metadata"
 USER_METADATA = "meta.pt"
+SHARD_SUFFIX = ".distcp"  # DCP's FileSystemWriter names each rank's files ``__<rank>_<n>.distcp``
 
 
 class CheckpointFormat(str, Enum):
     DISTRIBUTED = "distributed"
     FULL = "full"
+
+
+def replaceable_folder(path: Path) -> bool:
+    """Whether a save may replace the folder ``path``: it is empty, or a checkpoint folder.
+
+    A checkpoint folder in DCP's, Lightning's or our layout: it holds DCP's ``.metadata``, Lightning's
+    ``meta.pt`` (what Lightning 2.6.6 takes for a checkpoint), or DCP shards (a save that did not finish).
+    Lightning creates the folder before writing into it, so an empty one, or one holding only ``meta.pt``,
+    is what an interrupted Lightning save or a user's ``mkdir`` leaves. Anything else holds the user's files.
+    """
+    names = [entry.name for entry in path.iterdir()]
+    return not names or any(n in (DCP_METADATA, USER_METADATA) or n.endswith(SHARD_SUFFIX) for n in names)

@@ -40,7 +40,14 @@ from modelpar.checkpoint._agree import gather, not_shared_error
 from modelpar.checkpoint._commit import describe_leftovers
 from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
-from modelpar.checkpoint._state import FilterFns, SplitState, apply_filter, metadata_of, restore_metadata
+from modelpar.checkpoint._state import (
+    FilterFns,
+    SplitState,
+    apply_filter,
+    metadata_of,
+    restore_metadata,
+    state_dict_options,
+)
 from modelpar.checkpoint._stream import check_shapes, load_full_model_state, load_full_optimizer_state
 
 __all__ = ["detect", "gather_state", "load", "load_raw_module", "load_trainer_layout", "read_full_checkpoint"]
@@ -97,7 +104,7 @@ def _seen(view: str) -> str:
 
 def gather_state(split: SplitState, *, full: bool, filters: FilterFns | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensor state, metadata): sharded state dicts, or full ones gathered to CPU for the single-file format."""
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    options = state_dict_options(full=full)
     tensors: dict[str, Any] = {}
     for key, module in split.modules.items():
         tensors[key] = apply_filter(key, filters, get_model_state_dict(module, options=options))

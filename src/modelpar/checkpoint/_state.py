@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.optim import Optimizer
 
 from modelpar._errors import CheckpointKeyError
 
-__all__ = ["SplitState", "apply_filter", "metadata_of", "restore_metadata", "split_state"]
+__all__ = ["SplitState", "apply_filter", "metadata_of", "restore_metadata", "split_state", "state_dict_options"]
 
 FilterFns = Mapping[str, Callable[[str, Any], bool]]
 
@@ -27,6 +28,17 @@ class SplitState:
     modules: dict[str, nn.Module] = field(default_factory=dict)
     optimizers: dict[str, tuple[Optimizer, nn.Module]] = field(default_factory=dict)
     other: dict[str, Any] = field(default_factory=dict)
+
+
+def state_dict_options(*, full: bool) -> StateDictOptions:
+    """How the model and optimizer state dicts are taken for a save in the full or the distributed format.
+
+    Full: gathered to rank 0's CPU memory (``cpu_offload``), tensor by tensor, so no device holds the full
+    model. Distributed: the shards as they are, on their device, never offloaded first: DCP copies each to
+    the CPU as it writes it, and an asynchronous save's stager copies them once, into its kept buffers
+    (offloading first would copy every shard twice and hold both copies).
+    """
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 
 def _is_stateful(obj: object) -> bool:
