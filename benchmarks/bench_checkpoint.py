@@ -12,7 +12,8 @@ checkpoints are reclaimable and not counted):
 * distributed save and load (model + AdamW state),
 * loading a full single-file model state into the sharded model (``fabric.load_raw``),
 * with modelpar, how long an ``async_save=True`` save blocks the training loop (after one warm-up save,
-  which also creates the background process group and thread).
+  which also creates the background process group and thread), and for the full format the peak memory an
+  asynchronous save adds until written, against the size of the state (about 1x: gathered once, not restaged).
 
 One unmeasured save and load per strategy come first (lazy set-up), then medians are reported. Rank 0
 prints a markdown table per size with modelpar / Lightning ratios (below 1 is better for modelpar), then a
@@ -160,6 +161,24 @@ def bench_size(
         blocking = measure(lambda: fabric_async.save(apath, {"model": model_a, "optimizer": optimizer_a}))
         samples["modelpar"].setdefault("async_blocking", []).append(blocking)
         samples["modelpar"].setdefault("async_total", []).append(measure(checkpointer.wait))
+    fabric_async.strategy.teardown()
+
+    # The full format, asynchronously: rank 0 gathers the full state to its CPU memory; the peak added memory
+    # shows whether it is staged (copied) once more for the background write.
+    fabric_full, model_f, optimizer_f = build(
+        ModelParallelStrategy(parallelize_llama, 2, 2, async_save=True, save_distributed_checkpoint=False), cfg
+    )
+    fpath = root / "modelpar-async-full.pt"
+    full_checkpointer = fabric_full.strategy._core.checkpointer
+
+    def save_full_and_wait() -> None:
+        fabric_full.save(fpath, {"model": model_f, "optimizer": optimizer_f})
+        full_checkpointer.wait()
+
+    save_full_and_wait()  # warm-up
+    for _ in range(repeats):
+        samples["modelpar"].setdefault("async_full", []).append(measure(save_full_and_wait))
+    fabric_full.strategy.teardown()
     return samples
 
 
@@ -189,6 +208,13 @@ def report(label: str, n_params: int, samples: dict[str, dict[str, list[tuple[fl
     print(
         f"\nmodelpar async save: blocks {blocking:.3f} s vs {sync:.3f} s synchronous"
         f" ({blocking / sync:.2f} of it); background completion {med('modelpar', 'async_total', 0):.3f} s more"
+    )
+    state_mib = n_params * 4 * 3 / mb  # weights + AdamW's two moments, fp32
+    full_peak = med("modelpar", "async_full", 1) / mb
+    ratios["async_full_memory"] = full_peak / state_mib
+    print(
+        f"modelpar async save, full format: {med('modelpar', 'async_full', 0):.3f} s to written, peak added memory"
+        f" {full_peak:.0f} MiB on the worst rank for a {state_mib:.0f} MiB state ({full_peak / state_mib:.2f}x)"
     )
     return ratios
 
@@ -232,12 +258,15 @@ def main() -> None:
             f"\n### Summary: modelpar / Lightning, mesh 2x2 on {dist.get_world_size()} CPU processes (gloo),"
             f" torch {torch.__version__}\n"
         )
-        print("| model | load | save | load_full_file | async save blocks (of sync) | load average |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print(
+            "| model | load | save | load_full_file | async save blocks (of sync) | async full: peak memory / state"
+            " | load average |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for label, n_params, r, before, after in summary:
             print(
                 f"| {label}, {n_params / 1e6:.1f}M | {r['load']:.2f} | {r['save']:.2f} | {r['load_full_file']:.2f}"
-                f" | {r['async_blocking']:.2f} | {before:.1f} -> {after:.1f} |"
+                f" | {r['async_blocking']:.2f} | {r['async_full_memory']:.2f} | {before:.1f} -> {after:.1f} |"
             )
         shutil.rmtree(base, ignore_errors=True)
     dist.barrier()

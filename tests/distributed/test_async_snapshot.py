@@ -5,13 +5,22 @@ single file's ``torch.save``, DCP's shard writer) is held back until the trainin
 AdamW steps and changed the metadata dict it passed to ``save``. The checkpoint must still hold, bit for bit,
 the state at the moment ``save`` returned: the weights, the Adam moments and ``step``, the param groups and
 the metadata. One spawn of 2 gloo processes runs both formats on a 2x1 and a 1x2 mesh.
+
+The same spawn checks what a save costs and where it may go: an asynchronous save stages each byte once
+(the full format writes rank 0's gathered state as it is), each rank ``fsync``s the shards it wrote and rank 0
+only the metadata and the folders, before the commit's rename; and saves go into a folder created beforehand
+(empty, or holding only ``meta.pt``), over a previous checkpoint of either format, but never over a folder of
+other files.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import os
+import re
 import threading
+import time
 import weakref
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -149,13 +159,144 @@ def case_snapshot(root: Path, disk: SlowDisk, dp: int, tp: int, distributed: boo
     }
 
 
-def grid(root: Path) -> list[dict[str, Any]]:
+def nbytes(state: Any) -> int:
+    """Bytes of the tensors in a nested state (a DTensor's shard on this rank)."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(nbytes(v) for v in state)
+    return 0
+
+
+def case_staged_once(root: Path) -> dict[str, Any]:
+    """What an async save copies, against the state's size: full format (rank 0), distributed (every rank)."""
+    out = {}
+    for distributed in (False, True):
+        fabric = make_fabric(2, 1, world_size=2, save_distributed_checkpoint=distributed, async_save=True)
+        model = fabric.setup_module(reference_model())
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        train(fabric, model, opt, steps=1, seed=1)
+        options = StateDictOptions(full_state_dict=not distributed)
+        state = {"model": get_model_state_dict(model.module, options=options)}
+        state["optimizer"] = get_optimizer_state_dict(model.module, opt, options=options)
+        fabric.save(root / f"staged-{distributed}", {"model": model, "optimizer": opt})
+        checkpointer = fabric.strategy._core.checkpointer
+        out["distributed" if distributed else "full"] = (checkpointer.staged_bytes, nbytes(state))
+        fabric.strategy.teardown()
+    return out
+
+
+class FsyncLog:
+    """Every ``fsync`` in this process (by the path of its descriptor) and every rename, with system-wide times."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []
+        self._fsync, self._replace = os.fsync, os.replace
+
+    def __enter__(self) -> FsyncLog:
+        log = self
+
+        def fsync(fd: Any) -> None:
+            log._fsync(fd)
+            number = fd if isinstance(fd, int) else fd.fileno()
+            log.events.append((time.monotonic(), "fsync", os.readlink(f"/proc/self/fd/{number}")))
+
+        def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+            log._replace(src, dst, **kwargs)
+            log.events.append((time.monotonic(), "replace", f"{src} -> {dst}"))
+
+        os.fsync, os.replace = fsync, replace  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.fsync, os.replace = self._fsync, self._replace  # type: ignore[assignment]
+
+
+def case_who_fsyncs_what(root: Path) -> dict[str, Any]:
+    """Per save (sync and async, distributed format, over a previous one): what this rank fsyncs, and when."""
+    out = {}
+    for async_save in (False, True):
+        fabric = make_fabric(2, 1, world_size=2, async_save=async_save)
+        model = fabric.setup_module(reference_model())
+        path = root / f"fsync-{async_save}" / "ckpt"
+        fabric.save(path, {"model": model, "step": 1})
+        fabric.strategy._core.checkpointer.wait()
+        with FsyncLog() as log:
+            fabric.save(path, {"model": model, "step": 2})
+            fabric.strategy.teardown()  # waits for the background write and the deletion of the previous one
+        prefix = str(path.parent / ".ckpt.partial-")
+        synced = [re.sub(r"partial-\w+", "partial-*", p) for _, op, p in log.events if op == "fsync"]
+        commit = [t for t, op, p in log.events if op == "replace" and p.startswith(prefix) and p.endswith("ckpt")]
+        shard_times = [t for t, op, p in log.events if op == "fsync" and p.endswith(".distcp")]
+        out[f"async={async_save}"] = {"synced": synced, "commit": commit, "shards_synced_at": shard_times}
+        assert not list(path.parent.glob(".ckpt.*")), "leftovers after the save and teardown"
+    return out
+
+
+def case_existing_folders(root: Path) -> dict[str, Any]:
+    """Saves into folders created beforehand, over previous checkpoints, and the refusal of a foreign folder."""
+    rank = dist.get_rank()
+    fabrics = {
+        fmt: make_fabric(2, 1, world_size=2, save_distributed_checkpoint=fmt == "dist") for fmt in ("dist", "full")
+    }
+    models = {fmt: f.setup_module(reference_model()) for fmt, f in fabrics.items()}
+    out: dict[str, Any] = {}
+    for fmt, fabric in fabrics.items():
+        for before in ("empty", "meta-only", "previous-dist", "previous-full"):
+            path = root / "existing" / f"{fmt}-over-{before}"
+            if before.startswith("previous"):
+                other = before.removeprefix("previous-")
+                fabrics[other].save(path, {"model": models[other], "step": 0})
+            elif rank == 0:
+                path.mkdir(parents=True)
+                if before == "meta-only":  # what a Lightning save that stopped early leaves
+                    torch.save({"step": -1}, path / "meta.pt")
+            dist.barrier()
+            fabric.save(path, {"model": models[fmt], "step": 1})
+            state = {"model": fabric.setup_module(reference_model(seed=7)), "step": 0}
+            fabric.load(path, state)
+            same = all(torch.equal(a, b) for a, b in zip(_full(state["model"]), _full(models[fmt]), strict=True))
+            out[f"{fmt}-over-{before}"] = (path.is_dir() == (fmt == "dist"), state["step"], same)
+        foreign = root / "existing" / f"{fmt}-foreign"
+        if rank == 0:
+            foreign.mkdir(parents=True)
+            (foreign / "notes.txt").write_text("keep me")
+        dist.barrier()
+        with pytest.raises(IsADirectoryError) as raised:
+            fabric.save(foreign, {"model": models[fmt], "step": 1})
+        out[f"{fmt}-foreign"] = (str(raised.value), (foreign / "notes.txt").read_text())
+    for fabric in fabrics.values():
+        fabric.strategy.teardown()
+    out["leftovers"] = sorted(p.name for p in (root / "existing").glob(".*"))
+    return out
+
+
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    sd = get_model_state_dict(getattr(model, "module", model), options=StateDictOptions(full_state_dict=True))
+    return list(sd.values())
+
+
+def grid(root: Path) -> dict[str, Any]:
     with SlowDisk() as disk:
-        return [case_snapshot(root, disk, dp, tp, distributed) for dp, tp, distributed in CASES]
+        snapshots = [case_snapshot(root, disk, dp, tp, distributed) for dp, tp, distributed in CASES]
+    return {
+        "snapshots": snapshots,
+        "staged": case_staged_once(root),
+        "fsync": case_who_fsyncs_what(root),
+        "existing": case_existing_folders(root),
+    }
 
 
-def test_async_saves_write_the_state_at_save_time_while_the_training_goes_on(tmp_path):
-    ranks = run_distributed(grid, 2, tmp_path)
+@pytest.fixture(scope="module")
+def spawn(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(grid, 2, tmp_path_factory.mktemp("async"))
+
+
+def test_async_saves_write_the_state_at_save_time_while_the_training_goes_on(spawn):
+    ranks = [r["snapshots"] for r in spawn]
     wrong = [f"rank {rank}, {r['tag']}: {d}" for rank, rs in enumerate(ranks) for r in rs for d in r["wrong"][:4]]
     assert not wrong, "the checkpoint is not the state at save time:\n" + "\n".join(wrong)
     for rank, results in enumerate(ranks):
@@ -198,3 +339,41 @@ def test_async_staging_copies_are_reused_while_shapes_match_and_released_by_clos
     checkpointer.load(tmp_path / "a", state)
     assert state["step"] == 2 and torch.equal(state["model"].weight, model.weight)
     checkpointer.close()
+
+
+def test_async_saves_stage_each_byte_once_and_the_full_format_does_not_restage_rank_0s_gathered_state(spawn):
+    rank0, rank1 = (r["staged"] for r in spawn)
+    staged, state = rank0["full"]
+    # only what shares memory with the live optimizer is copied (its `step` counters): not the gathered state
+    assert 0 < staged < 0.01 * state, (staged, state)
+    assert rank1["full"][0] == 0  # rank 1 writes nothing in the full format
+    for rank in (rank0, rank1):  # distributed: each shard copied once, from where it lives, into the stager
+        staged, state = rank["distributed"]
+        assert staged == state, (staged, state)
+
+
+def test_each_rank_fsyncs_the_shards_it_wrote_and_rank_0_the_metadata_and_folders_before_the_rename(spawn, tmp_path):
+    for case in ("async=False", "async=True"):
+        rank0, rank1 = (r["fsync"][case] for r in spawn)
+        names = [{Path(p).name if "partial-*" in p else p for p in r["synced"]} for r in (rank0, rank1)]
+        for rank, synced in enumerate(names):
+            shards = {n for n in synced if n.endswith(".distcp")}
+            assert shards == {f"__{rank}_0.distcp"}, (case, rank, synced)
+        assert {".metadata", "meta.pt", ".ckpt.partial-*"} <= names[0], (case, names[0])
+        assert any(p.endswith("fsync-" + case.split("=")[1]) for p in names[0]), ("parent folder", names[0])
+        assert names[1] == {"__1_0.distcp"}, (case, "rank 1 syncs only its own shard", names[1])
+        assert len(rank0["commit"]) == 1 and rank1["commit"] == []
+        # the durability order: every rank's shards are durable before rank 0 renames the checkpoint into place
+        assert max(rank0["shards_synced_at"] + rank1["shards_synced_at"]) < rank0["commit"][0], case
+
+
+def test_saves_go_into_existing_empty_or_checkpoint_folders_and_refuse_foreign_ones_on_every_rank(spawn):
+    for result in (r["existing"] for r in spawn):
+        for fmt in ("dist", "full"):
+            for before in ("empty", "meta-only", "previous-dist", "previous-full"):
+                assert result[f"{fmt}-over-{before}"] == (True, 1, True), (fmt, before)
+            message, notes = result[f"{fmt}-foreign"]
+            assert notes == "keep me"
+            assert re.search(r"it is a folder that is not a checkpoint \(it holds 'notes.txt'", message), message
+            assert "Choose a path inside it, an empty folder, or a new path" in message
+        assert result["leftovers"] == []

@@ -1,8 +1,8 @@
 """The Trainer strategy on real gloo process groups, every training run checked against a reference.
 
 Per Lightning namespace (``pytorch_lightning`` and ``lightning.pytorch``), spawn 1: 2 processes (meshes 2x1
-and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`, and one Trainer re-running
-fit / validate / test / predict / fit on one module. Spawn 2: 4 processes as two
+and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`, one Trainer re-running
+fit / validate / test / predict / fit on one module, and ``save_checkpoint`` into existing folders. Spawn 2: 4 processes as two
 nodes: 2x2 fit, checkpoints in both formats through ModelCheckpoint, resuming on another layout, and
 checkpoints written by Lightning's own strategy. Single-device Trainer runs in the test process check the
 interchange with non-sharded runs.
@@ -345,9 +345,47 @@ def case_cpu_offload() -> dict[str, Any]:
     return {"offloaded": bool(offloaded), "devices": sorted({str(p.device) for p in module.parameters()})}
 
 
-def grid_two(namespace: str) -> dict[str, Any]:
+def case_save_checkpoint_into_existing_folders(root: Path) -> dict[str, Any]:
+    """``trainer.save_checkpoint`` into folders made beforehand and over previous checkpoints; foreign ones refused."""
+    trainers, modules = {}, {}
+    for fmt in ("dist", "full"):
+        trainers[fmt] = trainer(2, 1, 2, max_steps=1, save_distributed_checkpoint=fmt == "dist")
+        modules[fmt] = lightning().LlamaModule()
+        trainers[fmt].fit(modules[fmt], loader(per_rank(2)))
+    rank = trainers["dist"].global_rank
+    out: dict[str, Any] = {}
+    for fmt, t in trainers.items():
+        for before in ("empty", "meta-only", "previous-dist", "previous-full"):
+            path = root / f"{fmt}-over-{before}.ckpt"
+            if before.startswith("previous"):
+                trainers[before.removeprefix("previous-")].save_checkpoint(path)
+            elif rank == 0:
+                path.mkdir(parents=True)
+                if before == "meta-only":  # what a Lightning save that stopped early leaves
+                    torch.save({"global_step": -1}, path / "meta.pt")
+            t.strategy.barrier()
+            t.save_checkpoint(path)
+            t.strategy.barrier()
+            saved = torch.load(path / "meta.pt" if fmt == "dist" else path, weights_only=False)
+            out[f"{fmt}-over-{before}"] = (path.is_dir() == (fmt == "dist"), saved["global_step"])
+        foreign = root / f"{fmt}-foreign"
+        if rank == 0:
+            foreign.mkdir(parents=True)
+            (foreign / "notes.txt").write_text("keep me")
+        t.strategy.barrier()
+        with pytest.raises(IsADirectoryError, match=r"it is a folder that is not a checkpoint \(it holds 'notes.txt'"):
+            t.save_checkpoint(foreign)
+        out[f"{fmt}-foreign"] = (foreign / "notes.txt").read_text()
+    for t in trainers.values():
+        t.strategy.teardown()  # waits for the deletion of the checkpoints replaced
+    out["leftovers"] = sorted(p.name for p in root.glob(".*"))
+    return out
+
+
+def grid_two(namespace: str, root: Path) -> dict[str, Any]:
     use_namespace(namespace)
     out: dict[str, Any] = {"errors": case_setup_errors()}
+    out["existing_folders"] = case_save_checkpoint_into_existing_folders(root)
     for precision in _DTYPES:
         out[f"precision_{precision}"] = case_precision(precision)
     out["cpu_offload"] = case_cpu_offload()
@@ -391,8 +429,8 @@ def namespace(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(scope="module")
-def two(namespace: str) -> list[dict[str, Any]]:
-    return run_distributed(grid_two, 2, namespace)
+def two(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(grid_two, 2, namespace, tmp_path_factory.mktemp("trainer-two"))
 
 
 @pytest.fixture(scope="module")
@@ -410,6 +448,15 @@ def test_fit_validate_test_predict_match_the_reference(two, layout):
     assert all(r[f"fit_{layout}"]["mesh"] == (dp, tp) for r in two)
     # sync_dist with reduce_fx="sum" adds one value per data-parallel rank, not one per process
     assert all(r[f"fit_{layout}"]["dp_rank_sum"] == sum(range(1, dp + 1)) for r in two)
+
+
+def test_save_checkpoint_goes_into_existing_empty_or_checkpoint_folders_and_refuses_foreign_ones(two):
+    for result in (r["existing_folders"] for r in two):
+        for fmt in ("dist", "full"):
+            for before in ("empty", "meta-only", "previous-dist", "previous-full"):
+                assert result[f"{fmt}-over-{before}"] == (True, 1), (fmt, before)
+            assert result[f"{fmt}-foreign"] == "keep me"
+        assert result["leftovers"] == []
 
 
 @pytest.mark.parametrize("layout", ["2x1", "1x2"])
