@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from modelpar.checkpoint import save_state
-from modelpar.checkpoint._commit import commit, new_token, staging_path
+from modelpar.checkpoint import load_state, save_state
+from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, staging_path, sync_shards
 
 # save_state without a process group: DCP warns each time, and here that is intended.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -185,3 +185,100 @@ def test_a_save_fsyncs_every_file_it_wrote_before_renaming_it_into_place(tmp_pat
     if not full:
         assert {".metadata", "meta.pt"} <= {p.name for p in files} and any(p.suffix == ".distcp" for p in files)
     assert_durable_order(calls, staged, target.absolute(), files, old=previous)
+
+
+def test_with_shards_synced_by_their_writers_the_commit_fsyncs_only_the_metadata_and_folders(tmp_path, calls):
+    target = tmp_path / "ckpt"
+    token = new_token()
+    staged = staging_path(target, token)
+    make_entry(staged, "folder", "v2")
+    calls.clear()
+
+    commit(target, staged, token, shards_synced=True)
+
+    synced = [arg for op, arg in calls if op == "fsync"]
+    staged = staged.absolute()
+    assert not [p for p in synced if p.suffix == ".distcp"], synced  # each rank fsynced its own already
+    assert set(synced[:2]) == {staged / ".metadata", staged / "meta.pt"}, synced
+    assert synced[2:] == [staged, tmp_path.absolute()], synced  # the folder after its files, the parent last
+
+
+def test_each_rank_fsyncs_exactly_the_shard_files_it_wrote(tmp_path, calls):
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "__10_0.distcp", ".metadata", "meta.pt"):
+        (staged / name).write_bytes(b"x")
+    calls.clear()
+    assert [p.name for p in sync_shards(staged, 1)] == ["__1_0.distcp", "__1_1.distcp"]
+    assert [arg.name for op, arg in calls if op == "fsync"] == ["__1_0.distcp", "__1_1.distcp"]
+
+
+def test_the_previous_checkpoint_goes_after_the_commit_and_a_crash_meanwhile_leaves_trash_the_next_save_removes(
+    tmp_path,
+):
+    target = tmp_path / "ckpt"
+    make_entry(target, "folder", "v1")
+    token = new_token()
+    staged = staging_path(target, token)
+    make_entry(staged, "folder", "v2")
+    handed: list[Path] = []
+
+    commit(target, staged, token, discard=handed.append)  # a crash before the deletion: the old one is left
+
+    assert (target / "meta.pt").read_bytes().startswith(b"v2")
+    assert len(handed) == 1 and handed[0].name == f".ckpt.old-{token}" and handed[0].is_dir()
+    remove_stale(target, busy=handed)  # being deleted by this process's trash: left to it
+    assert handed[0].is_dir()
+    remove_stale(target)  # the next save (of any process) removes what a crash left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_the_trash_deletes_in_the_background_and_wait_joins_it(tmp_path):
+    trash = Trash()
+    entries = [tmp_path / ".ckpt.old-a", tmp_path / ".ckpt.old-b"]
+    make_entry(entries[0], "folder", "v1")
+    make_entry(entries[1], "file", "v1")
+    for entry in entries:
+        trash.discard(entry)
+    trash.wait()
+    assert not any(entry.exists() for entry in entries) and trash.busy() == []
+    trash.discard(tmp_path / "gone")  # a missing entry is no error
+    trash.wait()
+
+
+@pytest.mark.parametrize("before", ["empty", "meta-only", "shards-only", "previous"])
+@pytest.mark.parametrize("full", [True, False], ids=["full", "distributed"])
+def test_a_save_replaces_an_empty_folder_or_a_checkpoint_folder_atomically(tmp_path, full, before):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    if before == "meta-only":
+        torch.save({"step": -1}, target / "meta.pt")
+    elif before == "shards-only":  # a save (Lightning's, or DCP's) that stopped before its .metadata
+        (target / "__0_0.distcp").write_bytes(b"partial")
+    elif before == "previous":
+        shutil.rmtree(target)
+        save_state(target, {"model": torch.nn.Linear(2, 2), "step": 0}, full=False)
+    model = torch.nn.Linear(2, 2)
+
+    save_state(target, {"model": model, "step": 1}, full=full)
+
+    state = {"model": torch.nn.Linear(2, 2), "step": 0}
+    load_state(target, state)
+    assert state["step"] == 1 and torch.equal(state["model"].weight, model.weight)
+    assert target.is_file() == full and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "distributed"])
+def test_a_save_refuses_a_folder_of_other_files_saying_why_and_keeps_it(tmp_path, full):
+    target = tmp_path / "results"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    (target / "plots").mkdir()
+    with pytest.raises(
+        IsADirectoryError,
+        match=r"'.*results': it is a folder that is not a checkpoint \(it holds 'notes.txt', 'plots' \.\.\., but no"
+        r" '.metadata' or 'meta.pt'\), and saving would replace it, deleting what is in it\. Choose a path inside"
+        r" it, an empty folder, or a new path\.",
+    ):
+        save_state(target, {"model": torch.nn.Linear(2, 2)}, full=full)
+    assert (target / "notes.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
