@@ -232,6 +232,7 @@ def case_who_fsyncs_what(root: Path) -> dict[str, Any]:
         commit = [t for t, op, p in log.events if op == "replace" and p.startswith(prefix) and p.endswith("ckpt")]
         shard_times = [t for t, op, p in log.events if op == "fsync" and p.endswith(".distcp")]
         out[f"async={async_save}"] = {"synced": synced, "commit": commit, "shards_synced_at": shard_times}
+        dist.barrier()  # rank 0's teardown has waited for its deletion
         assert not list(path.parent.glob(".ckpt.*")), "leftovers after the save and teardown"
     return out
 
@@ -270,6 +271,7 @@ def case_existing_folders(root: Path) -> dict[str, Any]:
         out[f"{fmt}-foreign"] = (str(raised.value), (foreign / "notes.txt").read_text())
     for fabric in fabrics.values():
         fabric.strategy.teardown()
+    dist.barrier()  # rank 0's teardown has waited for its deletions
     out["leftovers"] = sorted(p.name for p in (root / "existing").glob(".*"))
     return out
 

@@ -377,7 +377,8 @@ def case_save_checkpoint_into_existing_folders(root: Path) -> dict[str, Any]:
             t.save_checkpoint(foreign)
         out[f"{fmt}-foreign"] = (foreign / "notes.txt").read_text()
     for t in trainers.values():
-        t.strategy.teardown()  # waits for the deletion of the checkpoints replaced
+        t.strategy.teardown()  # waits for the deletion of the checkpoints replaced (rank 0)
+    trainers["dist"].strategy.barrier()
     out["leftovers"] = sorted(p.name for p in root.glob(".*"))
     return out
 

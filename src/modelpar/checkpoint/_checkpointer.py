@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
 from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_error, run_agreed
-from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, staging_path, sync_shards
+from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, staging_path
 from modelpar.checkpoint._dcp_read import root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, replaceable_folder
 from modelpar.checkpoint._staging import Staging, live_storages, private_tensors
@@ -141,31 +141,27 @@ class Checkpointer:
 
         run_agreed(f"Writing {USER_METADATA!r} of the checkpoint {where}", write_metadata, here=leader)
         what = f"Committing the checkpoint {where}"
-        durable = f"Making the shards of the checkpoint {where} durable"
-        # Each rank fsyncs the shards it wrote (``sync_shards``), not DCP (``sync_files=False``) nor rank 0.
-        writer = FileSystemWriter(staged, sync_files=False)
+        # Each rank's writer fsyncs the shard files it wrote, right after writing each (``sync_files``), before
+        # DCP's closing gather of the ranks' results: so every shard is durable before rank 0 writes
+        # ``.metadata`` and commits, and rank 0 fsyncs only the metadata and the folders (``shards_synced``).
+        writer = FileSystemWriter(staged, sync_files=True)
 
         def commit_synced() -> None:
             commit(path, staged, token, shards_synced=True, discard=self._trash.discard)
 
-        def sync_mine(rank: int) -> None:
-            sync_shards(staged, rank)
-
         if not self.async_save:
             dcp.save(tensors, storage_writer=writer)  # DCP raises a failure on any rank on every rank itself
-            run_agreed(durable, lambda: sync_mine(_rank()))  # also the barrier before the commit
             run_agreed(what, commit_synced, here=leader)
             return
         # DCP stages (copies) the tensors with our stager before returning; only the writing goes on in the
         # background. ``meta.pt`` is written above, so it is a snapshot too.
-        group = self._group()
-        written: Any = dcp.async_save(tensors, storage_writer=writer, process_group=group, async_stager=self._stager())
+        written: Any = dcp.async_save(
+            tensors, storage_writer=writer, process_group=self._group(), async_stager=self._stager()
+        )
         self.staged_bytes = self._stager().staged_bytes
 
         def finish() -> None:
-            written.result()  # returns after every rank's shards and rank 0's .metadata are written
-            rank = dist.get_rank(group) if group is not None else 0
-            run_agreed(durable, lambda: sync_mine(rank), group=group)  # the barrier, on the save's group
+            written.result()  # on rank 0 this returns after every rank's shards are durable and .metadata written
             if leader:
                 commit_synced()
 

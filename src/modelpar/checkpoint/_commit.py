@@ -10,10 +10,11 @@ reports them, and the next save to the same path removes them.
 
 A power loss is harsher than a kill: the file system may have persisted a rename but not the data renamed.
 So the commit is ordered for durability: every file written is ``fsync``-ed before the rename, by the
-process that wrote it (:func:`sync_shards`: each rank its own DCP shards, then a barrier; on Lustre or GPFS
-an ``fsync`` from another client would not flush the writer's pages), then rank 0 ``fsync``-s the rest of
-the staging entry (DCP's ``.metadata``, ``meta.pt``, the one full file) and its folders, renames, ``fsync``-s
-the parent folder, and only then lets the previous checkpoint go.
+process that wrote it (each rank's DCP writer its own shards, right after writing them, before DCP's closing
+gather of the ranks' results, which is the barrier; on Lustre or GPFS an ``fsync`` from another client would
+not flush the writer's pages), then rank 0 ``fsync``-s the rest of the staging entry (DCP's ``.metadata``,
+``meta.pt``, the one full file) and its folders, renames, ``fsync``-s the parent folder, and only then lets the
+previous checkpoint go.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ __all__ = [
     "new_token",
     "remove_stale",
     "staging_path",
-    "sync_shards",
 ]
 
 _PARTIAL = ".partial-"
@@ -95,10 +95,10 @@ def commit(
 
     Order: ``fsync`` everything in ``staged``, rename, ``fsync`` the parent folder, let the old one go. At no
     point can a power loss leave the path without a complete checkpoint, the new one or the old one.
-    ``shards_synced``: every rank has made its own DCP shards durable (:func:`sync_shards`, then a barrier),
-    so they are not ``fsync``-ed again here. ``discard``: what becomes of the previous checkpoint, set aside
-    under a name that the next save removes (a :class:`Trash` deletes it in the background); by default it
-    is deleted before this returns.
+    ``shards_synced``: every rank has made its own DCP shards durable already (DCP's ``FileSystemWriter`` with
+    ``sync_files=True``, before the gather that ends the write), so they are not ``fsync``-ed again here.
+    ``discard``: what becomes of the previous checkpoint, set aside under a name that the next save removes
+    (a :class:`Trash` deletes it in the background); by default it is deleted before this returns.
     """
     _sync_tree(staged, skip_shards=shards_synced)
     aside = _aside_path(path, token)
@@ -109,19 +109,6 @@ def commit(
     _fsync(path.parent, folder=True)
     if had_previous:
         (discard or _remove)(aside)
-
-
-def sync_shards(staged: Path, rank: int) -> list[Path]:
-    """``fsync`` the DCP shard files that ``rank`` (its rank in the group that saved) wrote into ``staged``.
-
-    Every rank calls this for its own files, before the barrier that precedes rank 0's :func:`commit` with
-    ``shards_synced=True``: O(1) files per rank instead of O(world) on rank 0, and the writer's own client
-    flushes its pages, as parallel file systems need. Returns the files, in order.
-    """
-    files = sorted(staged.glob(f"__{rank}_*{SHARD_SUFFIX}"))
-    for file in files:
-        _fsync(file, folder=False)
-    return files
 
 
 def _sync_tree(entry: Path, *, skip_shards: bool = False) -> None:
