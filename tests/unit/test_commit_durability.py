@@ -1,5 +1,5 @@
 """Commits survive a power loss: every staged file is fsynced before the rename, the folder after it, and the
-previous checkpoint is deleted only then.
+previous checkpoint is deleted only then (in the background, or written over by the next save to the path).
 
 A power loss cannot be simulated in a test, so the order of the calls is checked instead: ``os.open``,
 ``os.fsync``, ``os.replace`` / ``os.rename`` and the removals are wrapped to record what they touch, on real
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from modelpar.checkpoint import load_state, save_state
-from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint import Checkpointer, load_state, save_state
+from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, reuse_as_staging, staging_path
 
 # save_state without a process group: DCP warns each time, and here that is intended.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -272,3 +272,42 @@ def test_a_save_refuses_a_folder_of_other_files_saying_why_and_keeps_it(tmp_path
     ):
         save_state(target, {"model": torch.nn.Linear(2, 2)}, full=full)
     assert (target / "notes.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "distributed"])
+def test_saving_again_to_one_path_writes_over_the_replaced_checkpoint_instead_of_deleting_it(tmp_path, full):
+    checkpointer = Checkpointer()
+    model = torch.nn.Linear(4, 4)
+    target, other = tmp_path / "last", tmp_path / "other"
+
+    def files(entry: Path) -> dict[str, int]:  # name -> inode
+        found = [entry] if entry.is_file() else sorted(entry.rglob("*.distcp"))
+        return {p.name: p.stat().st_ino for p in found}
+
+    checkpointer.save(target, {"model": model, "step": 1}, full=full)
+    first = files(target)
+    checkpointer.save(target, {"model": model, "step": 2}, full=full)  # sets the first aside, kept
+    assert [p.name for p in tmp_path.glob(".last.old-*")] != []
+    checkpointer.save(target, {"model": model, "step": 3}, full=full)  # written over the first one's files
+    assert files(target) == first
+    checkpointer.save(other, {"model": model, "step": 1}, full=full)  # the spare of "last" is deleted
+    checkpointer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "other"]
+    state = {"model": torch.nn.Linear(4, 4), "step": 0}
+    load_state(target, state)
+    assert state["step"] == 3 and torch.equal(state["model"].weight, model.weight)
+
+
+def test_a_reused_folder_is_an_incomplete_checkpoint_until_the_new_save_writes_its_metadata(tmp_path):
+    target = tmp_path / "ckpt"
+    make_entry(target, "folder", "v2")
+    spare = tmp_path / ".ckpt.old-abc"
+    make_entry(spare, "folder", "v1")
+    token = new_token()
+    assert not reuse_as_staging(spare, tmp_path / "other", token, folder=True)  # another path's
+    assert not reuse_as_staging(spare, target, token, folder=False)  # a folder, for a file save
+    assert reuse_as_staging(spare, target, token, folder=True)
+    staged = staging_path(target, token)
+    assert sorted(p.name for p in staged.iterdir()) == ["__0_0.distcp", "__1_0.distcp"] and not spare.exists()
+    with pytest.raises(ValueError, match="incomplete"):  # what a crash now would leave: never loadable
+        load_state(staged, {"model": torch.nn.Linear(2, 2)})

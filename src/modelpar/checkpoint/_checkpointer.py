@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
 from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_error, run_agreed
-from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, staging_path
+from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, reuse_as_staging, staging_path
 from modelpar.checkpoint._dcp_read import root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, replaceable_folder
 from modelpar.checkpoint._staging import Staging, live_storages, private_tensors
@@ -67,6 +67,7 @@ class Checkpointer:
         self._staging: Staging | None = None
         self._outstanding: str | None = None  # what a background save does, until ``wait``: the same on every rank
         self._trash = Trash()  # rank 0: previous checkpoints, deleted after their commit in the background
+        self._spare: Path | None = None  # rank 0: the checkpoint the last save replaced, set aside (see _prepare)
         self.staged_bytes = 0  # this rank's bytes copied by the last asynchronous save's staging
 
     # -- saving ------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class Checkpointer:
 
             def write_file() -> None:
                 torch.save(payload, staged)
-                commit(path, staged, token, discard=self._trash.discard)
+                commit(path, staged, token, discard=self._set_aside)
 
             self._run(f"Writing the checkpoint {where}", write_file, leader)
             return
@@ -144,10 +145,10 @@ class Checkpointer:
         # Each rank's writer fsyncs the shard files it wrote, right after writing each (``sync_files``), before
         # DCP's closing gather of the ranks' results: so every shard is durable before rank 0 writes
         # ``.metadata`` and commits, and rank 0 fsyncs only the metadata and the folders (``shards_synced``).
-        writer = FileSystemWriter(staged, sync_files=True)
+        writer = FileSystemWriter(staged, sync_files=True, overwrite=True)
 
         def commit_synced() -> None:
-            commit(path, staged, token, shards_synced=True, discard=self._trash.discard)
+            commit(path, staged, token, shards_synced=True, discard=self._set_aside)
 
         if not self.async_save:
             dcp.save(tensors, storage_writer=writer)  # DCP raises a failure on any rank on every rank itself
@@ -181,13 +182,29 @@ class Checkpointer:
             )
         token = new_token()
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path, busy=self._trash.busy())  # a previous save's old checkpoint may still be deleted
+        spare, self._spare = self._spare, None
+        remove_stale(path, busy=[*self._trash.busy(), *([spare] if spare else [])])
+        if spare is not None and not reuse_as_staging(spare, path, token, folder=not full):
+            self._trash.discard(spare)  # of another path, or of the other format
+        elif spare is not None:
+            return token  # saving again to the same path: written over, as Lightning does, not deleted
         staged = staging_path(path, token)
         if full:
             staged.touch()
         else:
             staged.mkdir()
         return token
+
+    def _set_aside(self, previous: Path) -> None:
+        """Rank 0, at a commit: keep the checkpoint replaced for the next save to write over (see ``_prepare``).
+
+        Checkpoints are often saved again and again to one path (``last.ckpt``); the next save's files then
+        replace the old ones in place, and nothing is deleted. A spare still kept by then is deleted, in the
+        background, as is the last one at :meth:`close`.
+        """
+        spare, self._spare = self._spare, previous
+        if spare is not None:
+            self._trash.discard(spare)
 
     def _check_shared(self, path: Path, staged: Path, token: str) -> None:
         """Every process must see rank 0's staging entry; each node removes its own stale leftovers."""
@@ -256,6 +273,9 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            spare, self._spare = self._spare, None
+            if spare is not None:
+                self._trash.discard(spare)
             self._trash.wait()
             staging, self._staging = self._staging, None
             executor, self._executor = self._executor, None

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from modelpar.checkpoint._format import SHARD_SUFFIX
+from modelpar.checkpoint._format import DCP_METADATA, SHARD_SUFFIX, USER_METADATA
 
 __all__ = [
     "Trash",
@@ -36,6 +36,7 @@ __all__ = [
     "describe_leftovers",
     "new_token",
     "remove_stale",
+    "reuse_as_staging",
     "staging_path",
 ]
 
@@ -109,6 +110,25 @@ def commit(
     _fsync(path.parent, folder=True)
     if had_previous:
         (discard or _remove)(aside)
+
+
+def reuse_as_staging(spare: Path, path: Path, token: str, *, folder: bool) -> bool:
+    """Make ``spare``, a previous checkpoint of ``path`` set aside by a commit, the staging entry of a new save.
+
+    The new save then writes over its files, truncating them, as Lightning's strategy writes over its folder,
+    instead of writing new files while the old ones are deleted: on a journaling file system each ``fsync``
+    of the new files would also wait for the deletion's metadata. The folder's ``.metadata`` and ``meta.pt``
+    go first, so that until the new save writes them it is an incomplete checkpoint, never the old one.
+    Returns whether ``spare`` was of ``path`` and of the right kind (a folder, or a file) and is now staged.
+    """
+    of_path = spare.parent == path.parent and spare.name.startswith(f".{path.name}{_OLD}")
+    if not of_path or spare.is_symlink() or not (spare.is_dir() if folder else spare.is_file()):
+        return False
+    if folder:
+        for name in (DCP_METADATA, USER_METADATA):
+            (spare / name).unlink(missing_ok=True)
+    os.replace(spare, staging_path(path, token))
+    return True
 
 
 def _sync_tree(entry: Path, *, skip_shards: bool = False) -> None:
