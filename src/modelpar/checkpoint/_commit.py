@@ -4,8 +4,9 @@ Every save writes into a staging entry beside the target, ``.<name>.partial-<tok
 distributed format, a file for the full one). Only when everything is written does rank 0 move the old
 checkpoint aside (``.<name>.old-<token>``) and rename the staging entry to the target. Renames within a
 folder are atomic, so a crash or kill at any point leaves either the previous checkpoint or the new one at
-the path, never a mix. The old checkpoint set aside is deleted after the commit, off the ranks' critical
-path (see :class:`Trash`). The leftovers of an interrupted save or deletion are recognised by name: load
+the path, never a mix. The old checkpoint set aside is not deleted inside the commit, where every rank would
+wait: the next save to the same path writes over it (:func:`reuse_as_staging`), or a :class:`Trash` deletes
+it in the background. The leftovers of an interrupted save or deletion are recognised by name: load
 reports them, and the next save to the same path removes them.
 
 A power loss is harsher than a kill: the file system may have persisted a rename but not the data renamed.
