@@ -271,17 +271,33 @@ def case_async_save_staging() -> dict[str, Any]:
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW's two moments
     figures: dict[str, Any] = {"state_mb": state_bytes / 2**20}
     with tempfile.TemporaryDirectory() as tmp:
+        checkpointer = fabric.strategy._core.checkpointer
         rss0, pinned0 = host_rss_bytes(), pinned_host_bytes()
+        pointers = []
         for i in range(3):  # the second and later saves reuse the staging buffers
             fabric.save(Path(tmp) / f"step-{i}", {"model": model, "optimizer": optimizer})
             figures[f"rss_growth_mb_after_save_{i}"] = (host_rss_bytes() - rss0) / 2**20
             figures[f"pinned_mb_after_save_{i}"] = (pinned_host_bytes() - pinned0) / 2**20
+            copies = [t for _, t in checkpointer._stager()._copies.values()]
+            locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in copies]
+            assert all(t.device.type == "cpu" for t in locals_)
+            assert all(t.is_pinned() for t in locals_ if t.numel() > 1) or not on_cuda(), "staging not pinned"
+            pointers.append(sorted(t.data_ptr() for t in locals_))
+        assert pointers[1] == pointers[2], "the staging buffers were not reused"
+        figures["staged_mb"] = checkpointer.staged_bytes / 2**20
+        assert checkpointer.staged_bytes <= state_bytes * 1.01, (checkpointer.staged_bytes, state_bytes)
+        # The snapshot is complete when save returns: change the weights at once, the checkpoint keeps the old ones.
+        saved = {n: _full(p).detach().cpu().clone() for n, p in model.module.named_parameters()}
+        fabric.save(Path(tmp) / "snapshot", {"model": model})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0)
         torch.manual_seed(5)
         with fabric.init_module(empty_init=True):
             model2 = fabric.setup_module(Llama(cfg))
-        fabric.load(Path(tmp) / "step-2", {"model": model2}, strict=False)  # waits for the background writes
-        for (n, a), b in zip(model.module.named_parameters(), model2.module.parameters(), strict=True):
-            assert torch.equal(_full(a).cpu(), _full(b).cpu()), n
+        fabric.load(Path(tmp) / "snapshot", {"model": model2}, strict=False)  # waits for the background writes
+        for n, b in model2.module.named_parameters():
+            assert torch.equal(saved[n], _full(b).cpu()), f"{n}: the checkpoint saw a later in-place update"
     growth = figures["rss_growth_mb_after_save_2"] * 2**20
     assert growth < 1.5 * state_bytes, f"host memory grew by {growth / state_bytes:.2f}x the state (staged twice?)"
     if on_cuda():
