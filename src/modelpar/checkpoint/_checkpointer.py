@@ -117,7 +117,14 @@ class Checkpointer:
         path = Path(path)
         leader = _rank() == 0
         where = repr(str(path))
-        token = run_agreed(f"Preparing the save to {where}", lambda: self._prepare(path, full=full), here=leader)[0]
+
+        def prepare() -> str:
+            token = self._prepare(path, full=full)
+            if not full:  # ``meta.pt`` goes in with the staging folder: one agreement (collective) for both
+                torch.save(metadata, staging_path(path, token) / USER_METADATA)
+            return token
+
+        token = run_agreed(f"Preparing the save to {where}", prepare, here=leader)[0]
         staged = staging_path(path, token)
         self._check_shared(path, staged, token)
         if full:
@@ -137,10 +144,6 @@ class Checkpointer:
             self._run(f"Writing the checkpoint {where}", write_file, leader)
             return
 
-        def write_metadata() -> None:
-            torch.save(metadata, staged / USER_METADATA)
-
-        run_agreed(f"Writing {USER_METADATA!r} of the checkpoint {where}", write_metadata, here=leader)
         what = f"Committing the checkpoint {where}"
         # Each rank's writer fsyncs the shard files it wrote, right after writing each (``sync_files``), before
         # DCP's closing gather of the ranks' results: so every shard is durable before rank 0 writes
