@@ -96,6 +96,25 @@ def _ok(result: dict[str, Any], name: str) -> bool:
     return result[name].get("ok") is not False
 
 
+def reference(cfg: Any, *, built_on_cpu: bool = False) -> Any:
+    """The one-process model from seed 0: built on the suite's device, or on the CPU (what offloaded models are
+    materialized on, drawing from the CPU random stream) and moved there."""
+    from modelpar.models import Llama
+
+    torch.manual_seed(0)
+    if built_on_cpu:
+        return Llama(cfg).to(device())
+    with torch.device(device()):
+        return Llama(cfg)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().float().cpu() - b.detach().float().cpu()).abs().max().item()
 

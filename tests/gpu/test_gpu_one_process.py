@@ -20,7 +20,18 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_common import SkipCase, check, device, host_rss_bytes, max_abs_diff, on_cuda, pinned_host_bytes, run_cases
+from gpu_common import (
+    SkipCase,
+    check,
+    device,
+    full,
+    host_rss_bytes,
+    max_abs_diff,
+    on_cuda,
+    pinned_host_bytes,
+    reference,
+    run_cases,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -51,12 +62,7 @@ def _fabric(precision: str = "32-true", **strategy_kwargs: Any) -> Any:
 
 
 def _reference(cfg: LlamaConfig = CFG, *, built_on_cpu: bool = False) -> Llama:
-    """The one-process model: built on the GPU, or on the CPU (what offloaded models are materialized on) and moved."""
-    torch.manual_seed(0)
-    if built_on_cpu:
-        return Llama(cfg).to(device())
-    with torch.device(device()):
-        return Llama(cfg)
+    return reference(cfg, built_on_cpu=built_on_cpu)
 
 
 def _sharded(fabric: Any, empty_init: bool, cfg: LlamaConfig = CFG) -> Any:
@@ -66,8 +72,7 @@ def _sharded(fabric: Any, empty_init: bool, cfg: LlamaConfig = CFG) -> Any:
     return fabric.setup_module(model)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+_full = full
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

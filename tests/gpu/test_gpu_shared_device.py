@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_common import SkipCase, check, device, max_abs_diff, on_cuda, run_cases
+from gpu_common import SkipCase, check, device, full, max_abs_diff, on_cuda, reference, run_cases
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from harness import PG_TIMEOUT, run_distributed
 from modelpar import ModelParallelStrategy, clip_grad_norm
@@ -56,12 +56,7 @@ def _strategy(dp: int, tp: int, plan: Any = parallelize_llama, **kwargs: Any) ->
 
 
 def _reference(cfg: LlamaConfig = CFG, *, built_on_cpu: bool = False) -> Llama:
-    """The one-process model: built on the GPU, or on the CPU (what offloaded models are materialized on) and moved."""
-    torch.manual_seed(0)
-    if built_on_cpu:
-        return Llama(cfg).to(device())
-    with torch.device(device()):
-        return Llama(cfg)
+    return reference(cfg, built_on_cpu=built_on_cpu)
 
 
 def _sharded(strategy: ModelParallelStrategy, cfg: LlamaConfig = CFG, seed: int = 0) -> nn.Module:
@@ -71,14 +66,27 @@ def _sharded(strategy: ModelParallelStrategy, cfg: LlamaConfig = CFG, seed: int 
     return strategy.setup_module(model)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+_full = full
 
 
 def _local_batch(strategy: ModelParallelStrategy, t: torch.Tensor) -> torch.Tensor:
     kw = strategy.distributed_sampler_kwargs
     per = t.shape[0] // kw["num_replicas"]
     return t[kw["rank"] * per : (kw["rank"] + 1) * per].to(device())
+
+
+def _train_like_reference(strategy: ModelParallelStrategy, model: nn.Module, ref: nn.Module) -> float:
+    """STEPS AdamW steps on both (each rank its data-parallel slice); the largest weight difference after."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in global_batches(STEPS):
+        lm_loss(model(_local_batch(strategy, x)), _local_batch(strategy, y)).backward()
+        lm_loss(ref(x.to(device())), y.to(device())).backward()
+        for opt in (optimizer, ref_opt):
+            opt.step()
+            opt.zero_grad()
+    refs = dict(ref.named_parameters())
+    return max(max_abs_diff(_full(p), refs[n]) for n, p in model.named_parameters())
 
 
 _SUPPORT: dict[str, str] = {}
@@ -155,18 +163,7 @@ def case_training_matches_the_one_process_cuda_model() -> dict[str, Any]:
     figures = {}
     for replicate, dp, tp in _layouts():
         strategy = _strategy(dp, tp, data_parallel_replicate_size=replicate)
-        model, ref = _sharded(strategy), _reference()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        worst = 0.0
-        for x, y in global_batches(STEPS):
-            lm_loss(model(_local_batch(strategy, x)), _local_batch(strategy, y)).backward()
-            lm_loss(ref(x.to(device())), y.to(device())).backward()
-            for opt in (optimizer, ref_opt):
-                opt.step()
-                opt.zero_grad()
-        refs = dict(ref.named_parameters())
-        worst = max(max_abs_diff(_full(p), refs[n]) for n, p in model.named_parameters())
+        worst = _train_like_reference(strategy, _sharded(strategy), _reference())
         assert worst <= ATOL * 10, worst
         figures[f"{replicate}x{dp}x{tp}"] = worst
     return figures
@@ -175,18 +172,9 @@ def case_training_matches_the_one_process_cuda_model() -> dict[str, Any]:
 def case_cpu_offload_standalone_with_meta_init() -> dict[str, Any]:
     _needs("reduce_scatter_tensor", "all_gather_into_tensor")
     strategy = _strategy(dist.get_world_size(), 1, cpu_offload=True)
-    model, ref = _sharded(strategy), _reference(built_on_cpu=True)
+    model = _sharded(strategy)
     assert all(p.device.type == "cpu" and p.to_local().device.type == "cpu" for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in global_batches(STEPS):
-        lm_loss(model(_local_batch(strategy, x)), _local_batch(strategy, y)).backward()
-        lm_loss(ref(x.to(device())), y.to(device())).backward()
-        for opt in (optimizer, ref_opt):
-            opt.step()
-            opt.zero_grad()
-    refs = dict(ref.named_parameters())
-    worst = max(max_abs_diff(_full(p), refs[n]) for n, p in model.named_parameters())
+    worst = _train_like_reference(strategy, model, _reference(built_on_cpu=True))
     assert worst <= 1e-3, worst
     return {"weight_diff": worst}
 
