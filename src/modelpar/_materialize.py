@@ -310,9 +310,8 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
     unwritten is gathered last). Every tensor that no initializer wrote, wholly or partly, is named with its
     module in a rank-0 warning; it holds a NaN marker (see :mod:`modelpar._unwritten`), not stray memory.
     ``device`` may be any device (the CPU under ``cpu_offload``, the accelerator otherwise). Raises
-    ``RuntimeError`` naming any
-    tensor still on the meta device afterwards (a ``reset_parameters`` that re-created a tensor on meta, for
-    example), since training on it would fail far from the cause.
+    ``RuntimeError`` naming any tensor still on the meta device afterwards (a ``reset_parameters`` that
+    re-created a tensor on meta, for example), since training on it would fail far from the cause.
     """
     if not has_meta_tensors(module):
         return

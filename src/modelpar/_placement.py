@@ -27,7 +27,6 @@ offloaded shards to the device and break them).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from modelpar._full_size import own_tensors
 from modelpar._materialize import has_meta_tensors, materialize_module
 
 __all__ = ["materialization_device", "materialize", "move_to_device", "offloads", "tensor_device"]
@@ -94,11 +94,8 @@ def _fsdp_parameters(module: nn.Module) -> set[int]:
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    return [
-        (owner, name, t)
-        for owner in module.modules()
-        for name, t in itertools.chain(owner.named_parameters(recurse=False), owner.named_buffers(recurse=False))
-    ]
+    """Every module's own parameters and buffers in ``module``, with their owner and attribute name."""
+    return [(owner, name, t) for owner in module.modules() for name, t in own_tensors(owner)]
 
 
 def _move(module: nn.Module, targets: dict[int, torch.device]) -> None:
