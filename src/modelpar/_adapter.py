@@ -8,7 +8,7 @@ each adapter's bases and relies only on what both bases provide (``parallel_devi
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ from lightning_fabric.utilities.seed import reset_seed
 from modelpar._core import ParallelCore
 from modelpar._distributed import barrier, broadcast_object
 from modelpar._lightning import Framework, load, strategy_repr
+from modelpar.checkpoint._remote import Location, RemotePath, to_location
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -102,14 +103,27 @@ class CoreStrategyMixin:
         """The precision flag (``"bf16-mixed"``, ...): the FSDP2 mixed-precision policy is derived from it."""
         raise NotImplementedError
 
-    def _checkpoint_path(self, path: Any, storage_options: Any) -> Path:
-        """Refuse ``storage_options`` (no ``CheckpointIO`` here); rank 0's path for all ranks."""
-        if storage_options is not None:
+    def _checkpoint_path(self, path: Any, storage_options: Any = None) -> Location:
+        """Rank 0's path for all ranks: a local path, or a URL (``s3://`` ...) read through fsspec.
+
+        ``storage_options`` (a dict for the URL's fsspec file system: credentials, endpoint ...) only apply to
+        URLs: for a local path they are refused as Lightning's strategy refuses them (it has no ``CheckpointIO``).
+        """
+        text = self.broadcast(str(path))  # one path for all ranks, even if they computed different ones
+        if storage_options is None:
+            return self._core.checkpointer.location(text)
+        if not isinstance(storage_options, Mapping):
             raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy"
-                " writes with torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
+                f"`storage_options` must be a dict of fsspec options for a URL, got {type(storage_options).__name__}."
             )
-        return Path(self.broadcast(str(path)))  # one path for all ranks, even if they computed different ones
+        location = to_location(text, {**self._core.checkpointer.storage_options, **storage_options})
+        if not isinstance(location, RemotePath):
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` applies to URLs (s3://, gs://"
+                f" ...), not to the local path {text!r}: the strategy writes local checkpoints with"
+                " torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
+            )
+        return location
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         barrier(self.root_device)

@@ -289,9 +289,9 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Save ``state``: a reshardable folder by default, one file with ``save_distributed_checkpoint=False``."""
-        path = self._checkpoint_path(path, storage_options)
+        location = self._checkpoint_path(path, storage_options)
         self._core.checkpointer.save(
-            path,
+            location,
             state,
             full=not self._core.save_distributed_checkpoint,
             filter=filter,
@@ -312,10 +312,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
                 f"Got `{type(self).__name__}.load_checkpoint(..., state={state!r})`, but a state with at least one"
                 " object to restore is needed, like `load_checkpoint(path, state={'model': model, ...})`."
             )
-        path = Path(self.broadcast(str(path)))
+        location = self._checkpoint_path(path)
         checkpointer = self._core.checkpointer
         if isinstance(state, nn.Module):
-            checkpointer.load_raw(path, state, strict=strict, weights_only=weights_only)
+            checkpointer.load_raw(location, state, strict=strict, weights_only=weights_only)
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(
@@ -323,7 +323,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
                 " `state={'optimizer': optimizer}` instead."
             )
         return checkpointer.load(
-            path, state, strict=strict, weights_only=weights_only, known_modules=list(self._set_up_modules)
+            location, state, strict=strict, weights_only=weights_only, known_modules=list(self._set_up_modules)
         )
 
 

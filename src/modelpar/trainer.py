@@ -15,7 +15,6 @@ import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelpar._lightning import classes, installed, load, register_in_every_namespace
@@ -41,6 +40,7 @@ from modelpar._grad_sync import AccumulationMode
 from modelpar._mesh import SizeArg
 from modelpar._precision import without_autocast
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
+from modelpar.checkpoint._remote import RemotePath, withdraw
 from modelpar.checkpoint._state import state_dict_options
 
 if TYPE_CHECKING:
@@ -300,7 +300,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore the model and optimizers in place (any layout, either format); return the rest for the Trainer."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self._checkpoint_path(checkpoint_path)
         assert self.model is not None and self.lightning_module is not None
         return self._core.checkpointer.load_trainer_checkpoint(
             path,
@@ -320,10 +320,15 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint file or folder (``ModelCheckpoint`` top-k clean-up), once, on rank 0."""
+        """Delete a checkpoint file or folder (``ModelCheckpoint`` top-k clean-up), once, on rank 0.
+
+        At a URL the checkpoint is withdrawn first (its commit marker goes before its objects).
+        """
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
+            path = self._core.checkpointer.location(filepath)
+            if isinstance(path, RemotePath):
+                withdraw(path)
+            elif path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()

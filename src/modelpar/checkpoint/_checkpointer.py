@@ -17,6 +17,7 @@ same guarantees:
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +37,15 @@ from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_er
 from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, reuse_as_staging, staging_path
 from modelpar.checkpoint._dcp_read import root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, replaceable_folder
+from modelpar.checkpoint._remote import (
+    Location,
+    RemotePath,
+    commit_prefix,
+    dcp_writer,
+    prepare_prefix,
+    to_location,
+    upload_file,
+)
 from modelpar.checkpoint._staging import Staging, live_storages, private_tensors
 from modelpar.checkpoint._state import FilterFns, split_state
 
@@ -55,12 +65,31 @@ def _sees(entry: Path) -> bool:
     return False
 
 
+def _refuse_other_folders(path: Location) -> None:
+    """A save replaces what is at ``path``: refuse if that is a folder (or a URL prefix) of the user's files."""
+    if path.is_dir() and not path.is_symlink() and not replaceable_folder(path):
+        names: list[str] = sorted(entry.name for entry in path.iterdir())
+        shown = ", ".join(map(repr, names[:3]))
+        raise IsADirectoryError(
+            f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint (it holds {shown} ...,"
+            f" but no {DCP_METADATA!r} or {USER_METADATA!r}), and saving would replace it, deleting what is"
+            " in it. Choose a path inside it, an empty folder, or a new path."
+        )
+
+
 class Checkpointer:
     """Saves and loads checkpoints for one run; collective: every rank calls the same methods in order."""
 
-    def __init__(self, *, async_save: bool = False, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        timeout: timedelta | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.async_save = async_save
         self.timeout = timeout  # of the background-save group (the strategy passes its own); None: torch's default
+        self.storage_options = dict(storage_options or {})  # for checkpoints at URLs: passed on to fsspec
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._async_group: Any = None
@@ -71,9 +100,13 @@ class Checkpointer:
         self.staged_bytes = 0  # this rank's bytes copied by the last asynchronous save's staging
 
     # -- saving ------------------------------------------------------------------------------------------
+    def location(self, path: str | Path | RemotePath) -> Location:
+        """``path`` as a local path, or as a URL (``s3://`` ...) with this checkpointer's ``storage_options``."""
+        return to_location(path, self.storage_options)
+
     def save(
         self,
-        path: str | Path,
+        path: str | Path | RemotePath,
         state: Mapping[str, Any],
         *,
         full: bool,
@@ -95,7 +128,7 @@ class Checkpointer:
 
     def write(
         self,
-        path: str | Path,
+        path: str | Path | RemotePath,
         tensors: dict[str, Any],
         metadata: dict[str, Any],
         *,
@@ -114,19 +147,29 @@ class Checkpointer:
         state comes from: list them all), which are copied; ``metadata`` is copied whole.
         """
         self.wait()
-        path = Path(path)
+        path = self.location(path)
         leader = _rank() == 0
         where = repr(str(path))
 
         def prepare() -> str:
+            if isinstance(path, RemotePath):
+                _refuse_other_folders(path)
+                token = new_token()
+                if not full:
+                    prepare_prefix(path, token)
+                    buffer = io.BytesIO()
+                    torch.save(metadata, buffer)
+                    (path / USER_METADATA).write_bytes(buffer.getvalue())
+                return token
             token = self._prepare(path, full=full)
             if not full:  # ``meta.pt`` goes in with the staging folder: one agreement (collective) for both
                 torch.save(metadata, staging_path(path, token) / USER_METADATA)
             return token
 
         token = run_agreed(f"Preparing the save to {where}", prepare, here=leader)[0]
-        staged = staging_path(path, token)
-        self._check_shared(path, staged, token)
+        if isinstance(path, Path):
+            staged = staging_path(path, token)
+            self._check_shared(path, staged, token)
         if full:
             payload: dict[str, Any] = {}
             if leader:
@@ -138,6 +181,9 @@ class Checkpointer:
                     self.staged_bytes = stager.staged_bytes
 
             def write_file() -> None:
+                if isinstance(path, RemotePath):  # one object: visible once its upload completes
+                    upload_file(path, lambda file: torch.save(payload, file))
+                    return
                 torch.save(payload, staged)
                 commit(path, staged, token, discard=self._set_aside)
 
@@ -145,13 +191,20 @@ class Checkpointer:
             return
 
         what = f"Committing the checkpoint {where}"
-        # Each rank's writer fsyncs the shard files it wrote, right after writing each (``sync_files``), before
-        # DCP's closing gather of the ranks' results: so every shard is durable before rank 0 writes
-        # ``.metadata`` and commits, and rank 0 fsyncs only the metadata and the folders (``shards_synced``).
-        writer = FileSystemWriter(staged, sync_files=True, overwrite=True)
+        writer: Any
+        if isinstance(path, RemotePath):
+            writer = dcp_writer(path)
+        else:
+            # Each rank's writer fsyncs the shard files it wrote, right after writing each (``sync_files``),
+            # before DCP's closing gather of the ranks' results: so every shard is durable before rank 0 writes
+            # ``.metadata`` and commits, and rank 0 fsyncs only the metadata and the folders (``shards_synced``).
+            writer = FileSystemWriter(staged, sync_files=True, overwrite=True)
 
         def commit_synced() -> None:
-            commit(path, staged, token, shards_synced=True, discard=self._set_aside)
+            if isinstance(path, RemotePath):
+                commit_prefix(path, token)
+            else:
+                commit(path, staged, token, shards_synced=True, discard=self._set_aside)
 
         if not self.async_save:
             dcp.save(tensors, storage_writer=writer)  # DCP raises a failure on any rank on every rank itself
@@ -176,13 +229,7 @@ class Checkpointer:
 
         The staging entry is created here (empty), so that every process can check that it sees it.
         """
-        if path.is_dir() and not path.is_symlink() and not replaceable_folder(path):
-            shown = ", ".join(repr(entry.name) for entry in sorted(path.iterdir())[:3])
-            raise IsADirectoryError(
-                f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint (it holds {shown} ...,"
-                f" but no {DCP_METADATA!r} or {USER_METADATA!r}), and saving would replace it, deleting what is"
-                " in it. Choose a path inside it, an empty folder, or a new path."
-            )
+        _refuse_other_folders(path)
         token = new_token()
         path.parent.mkdir(parents=True, exist_ok=True)
         spare, self._spare = self._spare, None
@@ -290,7 +337,7 @@ class Checkpointer:
     # -- loading -----------------------------------------------------------------------------------------
     def load(
         self,
-        path: str | Path,
+        path: str | Path | RemotePath,
         state: dict[str, Any],
         *,
         strict: bool = True,
@@ -300,11 +347,11 @@ class Checkpointer:
         """Restore ``state`` from ``path`` (models, optimizers and stateful objects in place); return the rest."""
         self.wait()
         split = split_state(state, known_modules)
-        return _io.load(Path(path), split, state, strict=strict, weights_only=weights_only)
+        return _io.load(self.location(path), split, state, strict=strict, weights_only=weights_only)
 
     def load_trainer_checkpoint(
         self,
-        path: str | Path,
+        path: str | Path | RemotePath,
         module: nn.Module,
         optimizers: Sequence[Optimizer],
         *,
@@ -319,11 +366,13 @@ class Checkpointer:
         optimizers are restored in place; loops, schedulers and callbacks are in the returned dict.
         """
         self.wait()
-        return _io.load_trainer_layout(Path(path), module, list(optimizers), strict=strict, weights_only=weights_only)
+        return _io.load_trainer_layout(
+            self.location(path), module, list(optimizers), strict=strict, weights_only=weights_only
+        )
 
     def load_raw(
-        self, path: str | Path, module: nn.Module, *, strict: bool = True, weights_only: bool | None = None
+        self, path: str | Path | RemotePath, module: nn.Module, *, strict: bool = True, weights_only: bool | None = None
     ) -> None:
         """Load weights into ``module`` from a raw state-dict file or a distributed folder."""
         self.wait()
-        _io.load_raw_module(Path(path), module, strict=strict, weights_only=weights_only)
+        _io.load_raw_module(self.location(path), module, strict=strict, weights_only=weights_only)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 from typing_extensions import override
 
+from modelpar.checkpoint._remote import RemotePath, dcp_reader_storage
 from modelpar.checkpoint._safe_pickle import check_bytes, load_metadata
 
 __all__ = ["CachedReader", "read_local", "root_cause", "single_process"]
@@ -38,8 +39,12 @@ class CachedReader(dcp.FileSystemReader):
     ``False``: read as DCP reads them, with plain ``pickle.load`` and ``torch.load(weights_only=False)``.
     """
 
-    def __init__(self, path: Path, metadata: Metadata | None = None, *, weights_only: bool | None = True) -> None:
-        super().__init__(path)
+    def __init__(
+        self, path: Path | RemotePath, metadata: Metadata | None = None, *, weights_only: bool | None = True
+    ) -> None:
+        super().__init__(str(path) if isinstance(path, RemotePath) else path)
+        if isinstance(path, RemotePath):  # DCP's fsspec adapter in place of the local one, as FsspecReader does
+            self.fs, self.path = dcp_reader_storage(path)
         self._metadata = metadata
         self._safe = weights_only is not False
 
@@ -84,8 +89,8 @@ class _CheckedBytes:
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         info = self._reader.storage_data.get(read_item.storage_index)
-        shard = Path(self._reader.path) / getattr(info, "relative_path", "")
-        check_bytes(value, f"{read_item.dest_index.fqn!r} in {str(shard)!r}")
+        shard = f"{self._reader.path}/{getattr(info, 'relative_path', '')}"
+        check_bytes(value, f"{read_item.dest_index.fqn!r} in {shard!r}")
         self._planner.load_bytes(read_item, value)
 
     def __getattr__(self, name: str) -> Any:

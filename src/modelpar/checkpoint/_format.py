@@ -7,12 +7,22 @@ both ways between the two strategies.
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
+from typing import Any
 
-__all__ = ["DCP_METADATA", "SHARD_SUFFIX", "USER_METADATA", "CheckpointFormat", "replaceable_folder"]
+__all__ = [
+    "COMMIT_MARKER",
+    "DCP_METADATA",
+    "SHARD_SUFFIX",
+    "WRITING_MARKER",
+    "USER_METADATA",
+    "CheckpointFormat",
+    "replaceable_folder",
+]
 
 DCP_METADATA = ".metadata"
 USER_METADATA = "meta.pt"
+COMMIT_MARKER = ".modelpar-complete"  # at URLs, where nothing can be renamed: see modelpar.checkpoint._remote
+WRITING_MARKER = ".modelpar-writing"
 SHARD_SUFFIX = ".distcp"  # DCP's FileSystemWriter names each rank's files ``__<rank>_<n>.distcp``
 
 
@@ -21,13 +31,15 @@ class CheckpointFormat(str, Enum):
     FULL = "full"
 
 
-def replaceable_folder(path: Path) -> bool:
+def replaceable_folder(path: Any) -> bool:
     """Whether a save may replace the folder ``path``: it is empty, or a checkpoint folder.
 
     A checkpoint folder in DCP's, Lightning's or our layout: it holds DCP's ``.metadata``, Lightning's
-    ``meta.pt`` (what Lightning 2.6.6 takes for a checkpoint), or DCP shards (a save that did not finish).
+    ``meta.pt`` (what Lightning 2.6.6 takes for a checkpoint), DCP shards (a save that did not finish), or, at a
+    URL, the markers of :mod:`modelpar.checkpoint._remote`. ``path``: a ``Path`` or a ``RemotePath``.
     Lightning creates the folder before writing into it, so an empty one, or one holding only ``meta.pt``,
     is what an interrupted Lightning save or a user's ``mkdir`` leaves. Anything else holds the user's files.
     """
     names = [entry.name for entry in path.iterdir()]
-    return not names or any(n in (DCP_METADATA, USER_METADATA) or n.endswith(SHARD_SUFFIX) for n in names)
+    ours = (DCP_METADATA, USER_METADATA, COMMIT_MARKER, WRITING_MARKER)
+    return not names or any(n in ours or n.endswith(SHARD_SUFFIX) for n in names)

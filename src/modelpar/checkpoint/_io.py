@@ -14,7 +14,6 @@ from __future__ import annotations
 import pickle
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +38,8 @@ from modelpar._errors import (
 from modelpar.checkpoint._agree import gather, not_shared_error
 from modelpar.checkpoint._commit import describe_leftovers
 from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause
-from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
+from modelpar.checkpoint._format import COMMIT_MARKER, DCP_METADATA, USER_METADATA, WRITING_MARKER, CheckpointFormat
+from modelpar.checkpoint._remote import Location, RemotePath, prefix_state, torch_load_remote
 from modelpar.checkpoint._state import (
     FilterFns,
     SplitState,
@@ -53,8 +53,10 @@ from modelpar.checkpoint._stream import check_shapes, load_full_model_state, loa
 __all__ = ["detect", "gather_state", "load", "load_raw_module", "load_trainer_layout", "read_full_checkpoint"]
 
 
-def detect(path: Path) -> CheckpointFormat:
+def detect(path: Location) -> CheckpointFormat:
     """The format at ``path``; errors name the path, interrupted saves beside it, and what was expected."""
+    if isinstance(path, RemotePath):
+        return _detect_remote(path)
     if path.is_file():
         return CheckpointFormat.FULL
     if path.is_dir():
@@ -73,7 +75,28 @@ def detect(path: Path) -> CheckpointFormat:
     raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}: the path does not exist.{describe_leftovers(path)}")
 
 
-def detect_shared(path: Path) -> CheckpointFormat:
+def _detect_remote(path: RemotePath) -> CheckpointFormat:
+    """:func:`detect` at a URL, where an incomplete save is told by its markers (see ``_remote``)."""
+    if path.is_file():
+        return CheckpointFormat.FULL
+    if path.is_dir():
+        state = prefix_state(path)
+        if state == "partial":
+            raise CheckpointNotFoundError(
+                f"No complete checkpoint at {str(path)!r}: a save to it is under way or was interrupted (it has"
+                f" {WRITING_MARKER!r} but no {COMMIT_MARKER!r}), so it is treated as absent. Load an earlier"
+                " checkpoint; the next save to this URL replaces it."
+            )
+        if state == "complete" or (path / DCP_METADATA).is_file():
+            return CheckpointFormat.DISTRIBUTED
+        raise ValueError(
+            f"{str(path)!r} is not a distributed checkpoint: it has no {DCP_METADATA!r} object. Point to a"
+            " checkpoint written by `save_checkpoint` (or torch.distributed.checkpoint), or to a single-file one."
+        )
+    raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}: nothing exists at that URL.")
+
+
+def detect_shared(path: Location) -> CheckpointFormat:
     """:func:`detect` on every rank, agreed (a collective): the same format, or the same error, everywhere.
 
     Ranks that see different things at ``path`` (node-local disks, a file system slow to show a rename) all
@@ -115,7 +138,7 @@ def gather_state(split: SplitState, *, full: bool, filters: FilterFns | None) ->
 
 
 def load(
-    path: Path, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
+    path: Location, split: SplitState, state: dict[str, Any], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     """Restore models, optimizers and metadata from ``path`` (format detected); return the unrequested rest."""
     if detect_shared(path) is CheckpointFormat.DISTRIBUTED:
@@ -135,7 +158,7 @@ def load(
     return restore_metadata(split.other, state, checkpoint, strict, str(path))
 
 
-def _missing(path: Path, key: str, strict: bool, present: list[str]) -> None:
+def _missing(path: Location, key: str, strict: bool, present: list[str]) -> None:
     if strict:
         raise CheckpointKeyError(
             f"The checkpoint {str(path)!r} has no entry {key!r} (it has: {', '.join(map(repr, present)) or 'nothing'})."
@@ -143,13 +166,17 @@ def _missing(path: Path, key: str, strict: bool, present: list[str]) -> None:
         )
 
 
-def read_full_checkpoint(path: Path, weights_only: bool | None = True) -> dict[str, Any]:
+def read_full_checkpoint(path: Location, weights_only: bool | None = True) -> dict[str, Any]:
     """The memory-mapped contents of a full file; errors say why a file is not a readable checkpoint.
 
-    mmap: every rank maps the file instead of reading a private copy of the whole model into memory.
+    mmap: every rank maps the file instead of reading a private copy of the whole model into memory. At a
+    URL there is nothing to map: each process reads the object into memory.
     """
     try:
-        loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        if isinstance(path, RemotePath):
+            loaded = torch_load_remote(path, weights_only)
+        else:
+            loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
         what = f"`{refused.group(1)}`" if refused else "a custom object"
@@ -168,7 +195,7 @@ def read_full_checkpoint(path: Path, weights_only: bool | None = True) -> dict[s
     return loaded
 
 
-def _open(path: Path, weights_only: bool | None) -> CachedReader:
+def _open(path: Location, weights_only: bool | None) -> CachedReader:
     """A reader of the folder ``path`` with its ``.metadata`` read, once for the checks and the reading alike.
 
     ``weights_only`` (true or ``None``): ``.metadata`` and the non-tensor entries are unpickled safely.
@@ -185,7 +212,7 @@ def _open(path: Path, weights_only: bool | None) -> CachedReader:
     return reader
 
 
-def _dcp_load(state: dict[str, Any], reader: CachedReader, path: Path, strict: bool) -> None:
+def _dcp_load(state: dict[str, Any], reader: CachedReader, path: Location, strict: bool) -> None:
     """Fill ``state`` in place, each rank reading on its own; a failure on any rank raises on every rank.
 
     One small all-gather of the outcome replaces the three collectives of each ``dcp.load`` call.
@@ -219,7 +246,7 @@ def _dcp_load(state: dict[str, Any], reader: CachedReader, path: Path, strict: b
 
 
 def _load_distributed(
-    path: Path,
+    path: Location,
     split: SplitState,
     state: dict[str, Any],
     *,
@@ -272,7 +299,7 @@ def _load_distributed(
     return restore_metadata(split.other, state, saved_meta, strict, str(path))
 
 
-def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only: bool | None) -> None:
+def load_raw_module(path: Location, module: nn.Module, *, strict: bool, weights_only: bool | None) -> None:
     """Load weights only into ``module`` (sharded or plain): a raw state-dict file, or a model in a folder."""
     if detect_shared(path) is CheckpointFormat.FULL:
         load_full_model_state(module, read_full_checkpoint(path, weights_only), strict=strict, where=repr(str(path)))
@@ -295,7 +322,7 @@ def load_raw_module(path: Path, module: nn.Module, *, strict: bool, weights_only
 
 
 def load_trainer_layout(
-    path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
+    path: Location, module: nn.Module, optimizers: list[Optimizer], *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     """Restore the model and the optimizers of a Lightning Trainer checkpoint; return the rest of it.
 
