@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from object_store import S3Server, s3_environment, start_s3_server
 
 

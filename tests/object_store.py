@@ -97,7 +97,8 @@ def _seaweedfs(stack: contextlib.ExitStack) -> S3Server | None:
             weed, "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
             f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}",
-            "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            "-master.volumeSizeLimitMB=64", "-volume.max=0", "-master.telemetry=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",  # fixed default ports: off, or two servers collide
         ],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

@@ -12,6 +12,7 @@ import importlib
 import os
 import re
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -87,14 +88,23 @@ def init_process_group(
 
 
 def _destroy_at_exit() -> None:
-    """Shut down the group we created before the interpreter tears down.
+    """Shut down the group we created, and let gloo's worker threads finish, before the interpreter tears down.
 
-    Left to C++ static destructors, gloo's communication threads can abort a finished script at exit
-    ("terminate called without an active exception"), depending on which rank exits first. Background
-    checkpoint writes are joined before atexit handlers run, so nothing is cut short here.
+    A gloo worker thread releases a finished collective's tensors after the caller has moved on; when the
+    caller's Python object is gone by then, the release takes the GIL. If that happens once the interpreter
+    is finalizing, Python ends the thread inside a C++ destructor and the process aborts ("terminate called
+    without an active exception", exit code -6) after the script has finished, often right after its last
+    collective, and whether or not ``destroy_process_group`` ran: the groups outlive it in whatever still
+    references them (a model's FSDP state, a device mesh). Releasing the GIL for a moment lets those threads
+    finish while the interpreter is whole. Background checkpoint writes are joined before atexit handlers run.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(_GLOO_SETTLE_S)
+
+
+#: How long the exit handler releases the GIL for gloo's worker threads (they need microseconds).
+_GLOO_SETTLE_S = 0.02
 
 
 def all_reduce(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:

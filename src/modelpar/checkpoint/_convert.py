@@ -47,6 +47,7 @@ from modelpar.checkpoint._inspect import (
 )
 from modelpar.checkpoint._io import detect, read_full_checkpoint
 from modelpar.checkpoint._progress import Progress
+from modelpar.checkpoint._remote import Location, RemotePath, local_copy, staged_upload, to_location
 
 __all__ = ["convert_to_distributed", "convert_to_file"]
 
@@ -272,6 +273,27 @@ def _out_dtype(meta: TensorStorageMetadata, kind: Kind, dtype: torch.dtype | Non
     return dtype
 
 
+def _remote_ends(src: Any, dst: Any, want: CheckpointFormat, overwrite: bool) -> tuple[Location, Location] | None:
+    """(source, destination) if either is a URL (after the checks :func:`_check_paths` makes), else ``None``.
+
+    The conversions need random access to whole local files: a URL source is downloaded to a temporary
+    folder first, and a URL destination written locally, then uploaded (a folder under the commit markers).
+    """
+    src_loc, dst_loc = to_location(src), to_location(dst)
+    if not isinstance(src_loc, RemotePath) and not isinstance(dst_loc, RemotePath):
+        return None
+    if detect(src_loc) is not want:
+        raise ValueError(_WRONG_SOURCE[want].format(path=str(src_loc)))
+    if str(src_loc) == str(dst_loc):
+        raise ValueError(f"The destination {str(dst_loc)!r} is the source checkpoint itself. Write to another path.")
+    if dst_loc.exists() and not overwrite:
+        raise FileExistsError(
+            f"The destination {str(dst_loc)!r} already exists. Pass `overwrite=True` (`--overwrite` on the"
+            " command line) to replace it, or choose another path."
+        )
+    return src_loc, dst_loc
+
+
 def convert_to_file(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -289,8 +311,21 @@ def convert_to_file(
     model state dicts only (no optimizer, no metadata), e.g. for inference. ``dtype`` casts the floating-point
     tensors of the model state dicts; optimizer state (Adam's moments would underflow in float16) and any other
     entry keep their saved dtypes. Memory stays near twice the largest tensor. ``weights_only`` as in
-    :func:`~modelpar.checkpoint.load_state`: pass ``False`` only for checkpoints you trust.
+    :func:`~modelpar.checkpoint.load_state`: pass ``False`` only for checkpoints you trust. ``src`` and
+    ``dst`` may be URLs (``s3://`` ...): a URL source is downloaded to a temporary folder first.
     """
+    if ends := _remote_ends(src, dst, CheckpointFormat.DISTRIBUTED, overwrite):
+        with local_copy(ends[0]) as local_src, staged_upload(ends[1]) as local_dst:
+            convert_to_file(
+                local_src,
+                local_dst,
+                model_only=model_only,
+                dtype=dtype,
+                overwrite=overwrite,
+                progress=progress,
+                weights_only=weights_only,
+            )
+        return
     src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.DISTRIBUTED, overwrite=overwrite)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(
@@ -387,8 +422,14 @@ def convert_to_distributed(
 
     Model and optimizer state dicts go to DCP shards, every other top-level entry to ``meta.pt``: the layout
     a distributed save writes, so :func:`modelpar.checkpoint.load_state` restores it on any mesh. The file is
-    memory-mapped, not read into memory.
+    memory-mapped, not read into memory. ``src`` and ``dst`` may be URLs, as in :func:`convert_to_file`.
     """
+    if ends := _remote_ends(src, dst, CheckpointFormat.FULL, overwrite):
+        with local_copy(ends[0]) as local_src, staged_upload(ends[1]) as local_dst:
+            convert_to_distributed(
+                local_src, local_dst, overwrite=overwrite, progress=progress, weights_only=weights_only
+            )
+        return
     src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.FULL, overwrite=overwrite)
     checkpoint = read_full_checkpoint(src_path, weights_only)
     state = {key: value for key, value in checkpoint.items() if is_state_entry(value)}

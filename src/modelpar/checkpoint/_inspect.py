@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from modelpar._errors import CorruptCheckpointError, WeightsOnlyError
 from modelpar.checkpoint._dcp_read import CachedReader
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._io import detect, read_full_checkpoint
+from modelpar.checkpoint._remote import Location, to_location
 
 __all__ = [
     "describe_checkpoint",
@@ -70,7 +70,7 @@ def is_state_entry(value: Any) -> bool:
     return flat and any(isinstance(v, torch.Tensor) for v in values)
 
 
-def read_dcp_metadata(folder: Path, *, weights_only: bool | None = None) -> Metadata:
+def read_dcp_metadata(folder: Location, *, weights_only: bool | None = None) -> Metadata:
     """DCP's ``.metadata`` of ``folder``: per flattened key its shape and dtype, and its nested path.
 
     ``weights_only`` true or ``None`` (torch's default): unpickled admitting only what DCP writes there.
@@ -85,7 +85,7 @@ def read_dcp_metadata(folder: Path, *, weights_only: bool | None = None) -> Meta
         ) from err
 
 
-def read_user_metadata(folder: Path, *, weights_only: bool | None = None) -> dict[str, Any]:
+def read_user_metadata(folder: Location, *, weights_only: bool | None = None) -> dict[str, Any]:
     """The non-tensor state a distributed checkpoint keeps in ``meta.pt`` (``{}`` if the file is absent)."""
     meta_path = folder / USER_METADATA
     if not meta_path.is_file():
@@ -103,13 +103,13 @@ def _row(key: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> t
     return key, str(list(shape)), str(dtype).removeprefix("torch."), format_size(nbytes)
 
 
-def describe_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = None) -> str:
+def describe_checkpoint(path: str | os.PathLike[str] | Location, *, weights_only: bool | None = None) -> str:
     """A human-readable listing: the format, one line per tensor (key, shape, dtype, size), totals, metadata keys.
 
     Meant for a quick look before converting or loading (``modelpar inspect PATH``); reads no tensor data.
     ``weights_only`` as in :func:`~modelpar.checkpoint.load_state`: pass ``False`` only for checkpoints you trust.
     """
-    path = Path(path)
+    path = to_location(path)
     fmt = detect(path)
     rows: list[tuple[str, str, str, str]] = []
     total = 0

@@ -49,6 +49,7 @@ __all__ = [
     "staged_upload",
     "to_location",
     "torch_load_remote",
+    "upload",
     "upload_file",
     "withdraw",
 ]
@@ -275,11 +276,9 @@ def upload_file(target: RemotePath, write: Any) -> None:
     except BaseException:
         discard = getattr(file, "discard", None)
         if callable(discard):
-            discard()
-        else:  # pragma: no cover - every buffered fsspec file has ``discard``
-            with contextlib.suppress(Exception):
-                file.close()
-                target.remove()
+            discard()  # s3fs aborts the multipart upload, gcsfs the resumable one
+        with contextlib.suppress(AttributeError):
+            file.closed = True  # type: ignore[misc]  # or closing it (on collection) would complete the upload
         raise
     file.close()
     if stale is not None:
@@ -311,10 +310,12 @@ def local_copy(source: Location) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def staged_upload(target: Location) -> Iterator[Path]:
+def staged_upload(target: Location, *, markers: bool = True) -> Iterator[Path]:
     """A local path to write ``target`` into: itself if local; for a URL, a temporary one uploaded on success.
 
-    A folder is uploaded under the commit protocol (markers around its files); a file as one object.
+    A folder is uploaded under the commit protocol (``markers``: the markers around its files), or, for a
+    Hugging Face folder, with ``config.json`` last, so that an interrupted upload does not load; a file as one
+    object.
     """
     if isinstance(target, Path):
         yield target
@@ -322,18 +323,24 @@ def staged_upload(target: Location) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="modelpar-upload-") as tmp:
         local = Path(tmp) / (target.name or "checkpoint")
         yield local
-        if local.is_dir():
-            token = os.urandom(6).hex()
-            prepare_prefix(target, token)
-            for entry in sorted(local.rglob("*")):
-                if entry.is_file():
-                    rel = entry.relative_to(local).as_posix()
-                    target.fs.put_file(str(entry), f"{target.fs_path}/{rel}")
-            commit_prefix(target, token)
-        elif local.is_file():
+        upload(local, target, markers=markers)
 
-            def copy(file: BinaryIO) -> None:
-                with local.open("rb") as src:
-                    shutil.copyfileobj(src, file, 8 << 20)
 
-            upload_file(target, copy)
+def upload(local: Path, target: RemotePath, *, markers: bool = True) -> None:
+    """Upload the local file or folder ``local`` to ``target`` (see :func:`staged_upload`)."""
+    if local.is_file():
+
+        def copy(file: BinaryIO) -> None:
+            with local.open("rb") as src:
+                shutil.copyfileobj(src, file, 8 << 20)
+
+        upload_file(target, copy)
+        return
+    token = os.urandom(6).hex()
+    if markers:
+        prepare_prefix(target, token)
+    files = sorted((entry for entry in local.rglob("*") if entry.is_file()), key=lambda e: e.name == "config.json")
+    for entry in files:
+        target.fs.put_file(str(entry), f"{target.fs_path}/{entry.relative_to(local).as_posix()}")
+    if markers:
+        commit_prefix(target, token)

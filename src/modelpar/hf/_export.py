@@ -24,6 +24,7 @@ from modelpar.checkpoint._inspect import read_dcp_metadata
 from modelpar.checkpoint._io import detect
 from modelpar.checkpoint._names import clean_name
 from modelpar.checkpoint._progress import Progress
+from modelpar.checkpoint._remote import Location, RemotePath, staged_upload, to_location
 from modelpar.checkpoint._stream import check_shapes
 from modelpar.hf._files import Entry, parse_size
 from modelpar.hf._folder import FolderExport, check_destination, check_dtype_argument, configured, out_dtype
@@ -52,9 +53,27 @@ def export_checkpoint(
     :class:`~modelpar.CheckpointShapeError`); tied weights are written once, as ``save_pretrained`` does.
     ``dtype`` casts the floating-point tensors. ``generation_config.json`` is copied from the config folder,
     or written for models that generate. Other arguments as in :func:`~modelpar.checkpoint.convert_to_file`.
-    One process, no process group; memory about twice the largest tensor.
+    One process, no process group; memory about twice the largest tensor. ``src`` and ``dst`` may be URLs
+    (``s3://`` ...): the folder is then written locally and uploaded, ``config.json`` last.
     """
-    src_path, dst_path = Path(src), Path(dst)
+    src_path, dst_loc = to_location(src), to_location(dst)
+    if isinstance(dst_loc, RemotePath):
+        if dst_loc.exists() and not overwrite:
+            raise FileExistsError(f"{str(dst_loc)!r} exists already. Pass `overwrite=True` to replace what is there.")
+        with staged_upload(dst_loc, markers=False) as local:
+            export_checkpoint(
+                src_path,  # type: ignore[arg-type]
+                local,
+                config=config,
+                key=key,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                overwrite=True,
+                progress=progress,
+                weights_only=weights_only,
+            )
+        return
+    dst_path = dst_loc
     if detect(src_path) is not CheckpointFormat.DISTRIBUTED:
         raise ValueError(
             f"{str(src_path)!r} is a full checkpoint file; `export_checkpoint` reads a distributed checkpoint folder."
@@ -136,7 +155,7 @@ def _meta_model(config: Any) -> Any:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _model_items(metadata: Any, key: str, src: Path) -> dict[str, tuple[str, torch.Size, torch.dtype]]:
+def _model_items(metadata: Any, key: str, src: Location) -> dict[str, tuple[str, torch.Size, torch.dtype]]:
     planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     items: dict[str, tuple[str, torch.Size, torch.dtype]] = {}
     tops: set[str] = set()
@@ -153,7 +172,7 @@ def _model_items(metadata: Any, key: str, src: Path) -> dict[str, tuple[str, tor
     return items
 
 
-def _read(dcp_key: str, tensor: torch.Tensor, reader: CachedReader, src: Path) -> None:
+def _read(dcp_key: str, tensor: torch.Tensor, reader: CachedReader, src: Location) -> None:
     try:
         read_local({dcp_key: tensor}, reader, partial=False)
     except (Exception, dcp.CheckpointException) as err:  # DCP wraps read errors in a BaseException subclass

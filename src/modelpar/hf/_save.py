@@ -10,9 +10,11 @@ mid-way: they finish the gathers, and all ranks then raise it together.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from modelpar._collective import collective_ready
 from modelpar.checkpoint._agree import agree
 from modelpar.checkpoint._progress import Progress
+from modelpar.checkpoint._remote import RemotePath, to_location, upload
 from modelpar.hf._files import Entry, parse_size
 from modelpar.hf._folder import FolderExport, check_destination, check_dtype_argument, configured, out_dtype
 from modelpar.hf._keys import model_tensors, unwrap
@@ -48,10 +51,21 @@ def save_pretrained(
     Memory: one full tensor at a time beyond the shards, on every rank. The folder appears at ``path`` only
     when complete; an earlier export there is replaced, keeping files it does not write (a tokenizer). A
     folder holding anything else is refused (``IsADirectoryError``). ``progress``: a progress line on
-    rank 0's stderr.
+    rank 0's stderr. ``path`` may be a URL (``s3://`` ...): rank 0 then writes the folder locally and uploads
+    it, ``config.json`` last.
     """
     module = unwrap(model)
-    dst = Path(path)
+    target = to_location(path)
+    upload_to = target if isinstance(target, RemotePath) else None
+    with tempfile.TemporaryDirectory(prefix="modelpar-hf-") if upload_to else contextlib.nullcontext("") as tmp:
+        dst = Path(tmp) / upload_to.name if upload_to else cast(Path, target)
+        _save(module, dst, upload_to, max_shard_size, dtype, progress)
+
+
+def _save(
+    module: Any, dst: Path, upload_to: RemotePath | None, max_shard_size: int | str, dtype: Any, progress: bool
+) -> None:
+    """:func:`save_pretrained` into the local folder ``dst``, then (rank 0) uploaded to ``upload_to`` if given."""
     max_bytes = parse_size(max_shard_size)
     check_dtype_argument(dtype)
     config = getattr(module, "config", None)
@@ -91,11 +105,13 @@ def save_pretrained(
             if error is None:
                 total = sum(t.numel() for t in tensors if isinstance(t, torch.nn.Parameter))
                 export.finish(total, lambda folder: _save_configs(module, config, entries, folder))
+                if upload_to is not None:
+                    upload(dst, upload_to, markers=False)  # config.json last: a cut-off upload does not load
         except Exception as err:
             error = err
         if error is not None:
             export.abort()
-    agree(f"Exporting the model to {str(dst)!r}", error)
+    agree(f"Exporting the model to {str(upload_to or dst)!r}", error)
     if writing:
         bar.finish(dst)
 
