@@ -30,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert between a distributed checkpoint folder and a full (single-file) checkpoint, in one"
         " process with memory near the largest tensor.",
     )
-    convert.add_argument("src", type=Path, metavar="SRC", help="checkpoint folder or file to read")
-    convert.add_argument("dst", type=Path, metavar="DST", help="where to write the converted checkpoint")
+    convert.add_argument("src", metavar="SRC", help="checkpoint folder or file to read (a path, or a URL: s3://...)")
+    convert.add_argument("dst", metavar="DST", help="where to write the converted checkpoint (a path or a URL)")
     convert.add_argument(
         "--to",
         choices=["file", "distributed", "hf"],
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.set_defaults(subparser=convert)
     inspect = commands.add_parser("inspect", help="list a checkpoint's tensors, sizes and metadata")
-    inspect.add_argument("path", type=Path, metavar="PATH", help="checkpoint folder or file")
+    inspect.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     inspect.add_argument(
         "--trust",
         action="store_true",
@@ -119,8 +119,9 @@ def _convert(args: argparse.Namespace) -> None:
     from modelpar.checkpoint._convert import convert_to_distributed, convert_to_file
     from modelpar.checkpoint._format import CheckpointFormat
     from modelpar.checkpoint._io import detect
+    from modelpar.checkpoint._remote import to_location
 
-    target = args.to or ("file" if detect(args.src) is CheckpointFormat.DISTRIBUTED else "distributed")
+    target = args.to or ("file" if detect(to_location(args.src)) is CheckpointFormat.DISTRIBUTED else "distributed")
     if (target == "hf") != (args.config is not None):
         args.subparser.error("--to hf needs --config CONFIG_DIR, which applies to --to hf only")
     if target != "hf" and (args.key != "model" or args.max_shard_size != "5GB"):
