@@ -248,6 +248,8 @@ def withdraw(target: RemotePath) -> None:
             if entry.name != WRITING_MARKER:
                 entry.remove()
     target.remove()
+    if target.exists():  # servers with real folders (SeaweedFS) keep the emptied folder, listed as an entry, once
+        target.remove()
 
 
 def prefix_state(target: RemotePath) -> str:
