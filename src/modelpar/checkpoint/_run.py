@@ -90,11 +90,9 @@ def to_delete(entries: Sequence[Entry], just_saved: int, keep_last: int | None) 
     return stale + complete[max(keep_last - 1, 0) :]
 
 
-def flag_device(backend: str) -> torch.device:
-    """Where the signal flag's all-reduce runs: the CPU if the default group has gloo, else the current GPU."""
-    if "gloo" in backend or "nccl" not in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+def flag_device(backend: str) -> str:
+    """The device type of the signal flag's all-reduce: ``"cpu"`` if the default group has gloo, else ``"cuda"``."""
+    return "cpu" if "gloo" in backend or "nccl" not in backend else "cuda"
 
 
 def _rank() -> int:
@@ -226,6 +224,8 @@ class RunCheckpoints:
             if info.get("type") != "directory":
                 out.append(Entry(parsed[0], location, "complete"))
                 continue
+            if not [entry for entry in location.iterdir() if entry.name != name]:
+                continue  # an emptied folder that a server with real folders still lists: nothing
             state = prefix_state(location)
             if state == "foreign" and (location / DCP_METADATA).is_file():
                 state = "complete"
@@ -317,7 +317,9 @@ class RunCheckpoints:
         mine = self._signalled or 0
         if not dist.is_initialized():
             return mine or None
-        flag = torch.tensor([mine], dtype=torch.int64, device=flag_device(str(dist.get_backend())))
+        kind = flag_device(str(dist.get_backend()))
+        device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+        flag = torch.tensor([mine], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None
 
