@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,3 +52,29 @@ def test_fsdp1_migration_example_resumes_the_fsdp1_run_with_its_losses(tmp_path)
     run(script, "--phase", "fsdp1", "--dir", str(tmp_path), cwd=tmp_path)
     out = run(script, "--phase", "modelpar", "--dir", str(tmp_path), cwd=tmp_path)
     assert "on a (1, 2) mesh" in out and "match the FSDP1 run's: True" in out
+
+
+def test_resume_example_saves_on_sigterm_under_torchrun_and_a_second_run_resumes_from_s3(tmp_path, s3_bucket):
+    script = str(ROOT / "examples/fabric/train_resume.py")
+    run_dir = f"{s3_bucket}/runs/demo"
+    args = ["--run-dir", run_dir, "--save-every", "5", "--keep-last", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
+    first = subprocess.Popen(
+        [*torchrun, f"--master-port={free_port()}", script, *args, "--steps", "1000", "--step-seconds", "0.2"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    assert first.stdout is not None
+    for line in first.stdout:  # preempted after step 6, as SLURM or a cloud would: torchrun passes it on
+        lines.append(line)
+        if line.startswith("step    6 |"):
+            first.send_signal(signal.SIGTERM)
+    first.wait(timeout=120)
+    output = "".join(lines)
+    saved = re.search(r"Received SIGTERM: saved the checkpoint of step (\d+) to '(\S+)'", output)
+    assert first.returncode != 0 and saved, output[-3000:]
+    step = int(saved.group(1))
+    assert 6 <= step < 1000 and saved.group(2) == f"{run_dir}/step-{step:09d}"
+    second = run(script, *args, "--steps", str(step + 2), cwd=tmp_path)  # Fabric launches its 2 processes
+    assert f"resumed from step {step} in {run_dir}" in second and f"step {step + 2:4d} | loss" in second, second[-3000:]
