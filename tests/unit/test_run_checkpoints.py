@@ -77,3 +77,20 @@ def test_a_signal_saves_the_current_step_then_exits_and_the_run_resumes_from_it(
         assert state["step"] == 3 and torch.equal(fresh.weight, model.weight)
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_signal_handlers_can_only_be_installed_from_the_main_thread(tmp_path):
+    import threading
+
+    errors: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            RunCheckpoints(tmp_path, every_n_steps=1, save_on_signal=True)
+        except RuntimeError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "main thread" in str(errors[0]) and "save_on_signal=False" in str(errors[0])
