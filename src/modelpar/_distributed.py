@@ -14,6 +14,7 @@ import re
 import socket
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "default_backend",
     "detect_cluster",
     "init_process_group",
+    "restart_store_prefix",
 ]
 
 #: torch's own default for non-NCCL groups; long enough for slow first compiles, short enough to end hangs.
@@ -77,6 +79,16 @@ def init_process_group(
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL eagerly to the right GPU
+    prefix = restart_store_prefix(os.environ)
+    if prefix is not None:  # the same store as the attempt before: its keys go under this attempt's name
+        store = dist.TCPStore(
+            cluster_environment.main_address,
+            cluster_environment.main_port,
+            cluster_environment.world_size(),
+            is_master=False,
+            timeout=timeout or DEFAULT_TIMEOUT,
+        )
+        kwargs["store"] = dist.PrefixStore(prefix, store)
     dist.init_process_group(
         backend,
         rank=cluster_environment.global_rank(),
@@ -85,6 +97,18 @@ def init_process_group(
         **kwargs,
     )
     atexit.register(_destroy_at_exit)
+
+
+def restart_store_prefix(env: Mapping[str, str]) -> str | None:
+    """A key prefix for a job that torchrun restarted (``--max-restarts``), or ``None`` where none is needed.
+
+    torchrun's agent hosts the store that the workers' process group rendezvous through, and keeps it across
+    restarts (``TORCHELASTIC_USE_AGENT_STORE=True``). torch puts no attempt in the keys, so the restarted ranks
+    could read the killed attempt's gloo addresses and fail with "Connection refused" (seen in 1 of 2 restarts).
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return f"modelpar/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _destroy_at_exit() -> None:

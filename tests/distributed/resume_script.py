@@ -10,6 +10,7 @@ rank writes ``<out_dir>/attempt<N>-rank<R>.json`` after every step.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -45,6 +46,7 @@ def train_step(strategy: Any, model: Any, optimizer: Any, step: int) -> float:
 
 
 def main(out_dir: Path, run_dir: str) -> None:
+    faulthandler.dump_traceback_later(90, exit=True)  # a hang fails the test with every thread's stack
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     strategy = ModelParallelStrategy(parallelize_llama, 2, 1, timeout=PG_TIMEOUT)
     strategy.setup_environment()

@@ -167,7 +167,7 @@ def test_a_run_killed_at_step_7_under_torchrun_restarts_from_step_5_with_bit_ide
     cmd += ["--monitor-interval=0.2", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     cmd += [str(SCRIPT), str(tmp_path), f"{s3_bucket}/run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first = json.loads((tmp_path / "attempt0-rank0.json").read_text())
     second = [json.loads((tmp_path / f"attempt1-rank{r}.json").read_text()) for r in (0, 1)]

@@ -94,3 +94,13 @@ def test_signal_handlers_can_only_be_installed_from_the_main_thread(tmp_path):
     thread.start()
     thread.join()
     assert len(errors) == 1 and "main thread" in str(errors[0]) and "save_on_signal=False" in str(errors[0])
+
+
+def test_each_torchrun_attempt_rendezvous_under_its_own_keys_in_the_agents_store():
+    from modelpar._distributed import restart_store_prefix
+
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert restart_store_prefix({**agent, "TORCHELASTIC_RESTART_COUNT": "0"}) == "modelpar/attempt_0"
+    assert restart_store_prefix({**agent, "TORCHELASTIC_RESTART_COUNT": "1"}) == "modelpar/attempt_1"
+    assert restart_store_prefix({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RESTART_COUNT": "1"}) is None
+    assert restart_store_prefix({}) is None  # not under torchrun: rank 0 hosts a fresh store

@@ -39,8 +39,8 @@ from lightning_fabric.utilities import rank_zero_warn
 
 from modelpar.checkpoint._agree import run_agreed
 from modelpar.checkpoint._checkpointer import Checkpointer
-from modelpar.checkpoint._format import DCP_METADATA
-from modelpar.checkpoint._remote import Location, RemotePath, prefix_state, to_location, withdraw
+from modelpar.checkpoint._format import COMMIT_MARKER, DCP_METADATA, WRITING_MARKER
+from modelpar.checkpoint._remote import Location, RemotePath, to_location, withdraw
 
 __all__ = ["RunCheckpoints", "checkpoint_name", "flag_device", "parse_step", "to_delete"]
 
@@ -149,6 +149,7 @@ class RunCheckpoints:
         self._signalled: int | None = None
         self._previous: dict[int, Any] = {}
         self._deleting: threading.Thread | None = None
+        self._complete: set[int] = set()  # rank 0: steps found complete, not checked again
         if save_on_signal:
             self._install_handlers()
 
@@ -166,8 +167,8 @@ class RunCheckpoints:
         """
 
         def look() -> int | None:
-            entries = sorted(self._entries(), key=lambda e: (e.step, e.state == "complete"), reverse=True)
-            for entry in entries:
+            for entry in sorted(self._listing(), key=lambda e: (e.step, e.state != "leftover"), reverse=True):
+                entry = self._checked(entry)  # newest first, only until the first complete one
                 if entry.state == "complete":
                     return entry.step
                 why = entry.why or (
@@ -183,58 +184,52 @@ class RunCheckpoints:
         step = run_agreed(f"Looking for checkpoints in {str(self.run_dir)!r}", look, here=_rank() == 0)[0]
         return None if step is None else (step, self.location(step))
 
-    def _entries(self) -> list[Entry]:
-        """Rank 0: every checkpoint and leftover in the run folder, with its state."""
+    def _listing(self) -> list[Entry]:
+        """Rank 0: the run folder's checkpoints (state ``"file"`` or ``"folder"``, unchecked) and leftovers."""
         if isinstance(self.run_dir, RemotePath):
-            return self._remote_entries(self.run_dir)
-        if not self.run_dir.is_dir():
+            self.run_dir.fs.invalidate_cache(self.run_dir.fs_path)
+            try:
+                listing = self.run_dir.fs.ls(self.run_dir.fs_path, detail=True)  # one request, with the types
+            except FileNotFoundError:
+                return []
+            named = [(str(i["name"]).rstrip("/").rsplit("/", 1)[-1], i.get("type") == "directory") for i in listing]
+        elif self.run_dir.is_dir():
+            named = [(path.name, path.is_dir()) for path in self.run_dir.iterdir()]
+        else:
             return []
         out = []
-        for path in self.run_dir.iterdir():
-            parsed = parse_step(path.name)
-            if parsed is None:
-                continue
-            step, leftover = parsed
-            if leftover:
-                out.append(Entry(step, path, "leftover"))
-            elif path.is_file():
-                ok = path.stat().st_size > 0
-                out.append(Entry(step, path, "complete" if ok else "incomplete", "" if ok else "the file is empty"))
-            elif path.is_dir():
-                meta = path / DCP_METADATA
-                ok = meta.is_file() and meta.stat().st_size > 0
-                why = "" if ok else f"the folder has no (or an empty) {DCP_METADATA!r}, so its save did not finish"
-                out.append(Entry(step, path, "complete" if ok else "incomplete", why))
+        for name, folder in named:
+            parsed = parse_step(name)
+            if parsed is not None:
+                state = "leftover" if parsed[1] else ("folder" if folder else "file")
+                out.append(Entry(parsed[0], self.run_dir / name, state))
         return out
 
-    @staticmethod
-    def _remote_entries(run_dir: RemotePath) -> list[Entry]:
-        run_dir.fs.invalidate_cache(run_dir.fs_path)
-        try:
-            listing = run_dir.fs.ls(run_dir.fs_path, detail=True)
-        except FileNotFoundError:
-            return []
-        out = []
-        for info in listing:
-            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            parsed = parse_step(name)
-            if parsed is None or parsed[1]:
-                continue
-            location = run_dir / name
-            if info.get("type") != "directory":
-                out.append(Entry(parsed[0], location, "complete"))
-                continue
-            if not [entry for entry in location.iterdir() if entry.name != name]:
-                continue  # an emptied folder that a server with real folders still lists: nothing
-            state = prefix_state(location)
-            if state == "foreign" and (location / DCP_METADATA).is_file():
-                state = "complete"
-            why = {
-                "partial": "a save to it was interrupted (it has the writing marker but no commit marker)",
-                "foreign": f"it holds neither a commit marker nor {DCP_METADATA!r}",
-            }.get(state, "")
-            out.append(Entry(parsed[0], location, "complete" if state == "complete" else "incomplete", why))
-        return out
+    def _checked(self, entry: Entry) -> Entry:
+        """``entry`` of :meth:`_listing` as ``"complete"`` or ``"incomplete"`` (with why); leftovers stay."""
+        if entry.state == "leftover" or entry.step in self._complete:
+            return entry if entry.state == "leftover" else Entry(entry.step, entry.location, "complete")
+        location = entry.location
+        why = ""
+        if isinstance(location, RemotePath):
+            if entry.state == "folder":
+                names = {child.name for child in location.iterdir()} - {location.name}  # see ``withdraw``
+                if COMMIT_MARKER in names:
+                    pass
+                elif WRITING_MARKER in names:
+                    why = "a save to it was interrupted (it has the writing marker but no commit marker)"
+                elif DCP_METADATA not in names:  # a checkpoint of another tool is complete once it has .metadata
+                    why = f"it holds neither a commit marker nor {DCP_METADATA!r}"
+        elif entry.state == "file":
+            why = "" if location.stat().st_size > 0 else "the file is empty"
+        else:
+            meta = location / DCP_METADATA
+            if not (meta.is_file() and meta.stat().st_size > 0):
+                why = f"the folder has no (or an empty) {DCP_METADATA!r}, so its save did not finish"
+        if why:
+            return Entry(entry.step, location, "incomplete", why)
+        self._complete.add(entry.step)  # stays so until retention deletes it: not listed, nor checked, again
+        return Entry(entry.step, location, "complete")
 
     # -- resuming and saving ---------------------------------------------------------------------------
     def resume(self, saver: Any, state: dict[str, Any]) -> int:
@@ -256,6 +251,7 @@ class RunCheckpoints:
         due = step > 0 and step % self.every_n_steps == 0
         if due or stop is not None:
             self._join_deletions()
+            self._complete.discard(step)  # saved again: incomplete until this save commits
             _save(saver, self.location(step), state, full=self.full)
             if _rank() == 0 and stop is None:  # on a signal, exit in time: the next run deletes them
                 self._start_deletions(step)
@@ -280,7 +276,9 @@ class RunCheckpoints:
     def _start_deletions(self, just_saved: int) -> None:
         def run() -> None:
             try:
-                for entry in to_delete(self._entries(), just_saved, self.keep_last):
+                entries = [self._checked(entry) for entry in self._listing()]
+                for entry in to_delete(entries, just_saved, self.keep_last):
+                    self._complete.discard(entry.step)
                     _delete(entry.location)
             except Exception as err:  # a deletion left for the next pass must not stop the training
                 rank_zero_warn(f"Deleting old checkpoints in {str(self.run_dir)!r} failed ({err}); retrying later.")
