@@ -84,7 +84,7 @@ def _full_and_swap(root: RemotePath) -> dict[str, Any]:
 
 def _errors(root: RemotePath) -> dict[str, Any]:
     fabric = make_fabric(2, 2, world_size=4, num_nodes=2)
-    model, opt = fresh(fabric)
+    model, _ = fresh(fabric)
     # an interrupted save (the writing marker without the commit) is absent, on every rank, and says so
     partial = root / "interrupted"
     fabric.save(partial, {"model": model})
