@@ -39,7 +39,7 @@ from modelpar.checkpoint._agree import gather, not_shared_error
 from modelpar.checkpoint._commit import describe_leftovers
 from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause
 from modelpar.checkpoint._format import COMMIT_MARKER, DCP_METADATA, USER_METADATA, WRITING_MARKER, CheckpointFormat
-from modelpar.checkpoint._remote import Location, RemotePath, prefix_state, torch_load_remote
+from modelpar.checkpoint._remote import Location, RemotePath, prefix_state, to_location, torch_load_remote
 from modelpar.checkpoint._state import (
     FilterFns,
     SplitState,
@@ -53,8 +53,9 @@ from modelpar.checkpoint._stream import check_shapes, load_full_model_state, loa
 __all__ = ["detect", "gather_state", "load", "load_raw_module", "load_trainer_layout", "read_full_checkpoint"]
 
 
-def detect(path: Location) -> CheckpointFormat:
+def detect(path: Location | str) -> CheckpointFormat:
     """The format at ``path``; errors name the path, interrupted saves beside it, and what was expected."""
+    path = to_location(path)
     if isinstance(path, RemotePath):
         return _detect_remote(path)
     if path.is_file():
