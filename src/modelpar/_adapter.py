@@ -119,9 +119,9 @@ class CoreStrategyMixin:
         location = to_location(text, {**self._core.checkpointer.storage_options, **storage_options})
         if not isinstance(location, RemotePath):
             raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` applies to URLs (s3://, gs://"
-                f" ...), not to the local path {text!r}: the strategy writes local checkpoints with"
-                " torch.distributed.checkpoint, not a `CheckpointIO` plugin. Remove the argument."
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported for the local"
+                f" path {text!r}: the strategy writes local checkpoints with torch.distributed.checkpoint, not a"
+                " `CheckpointIO` plugin. Remove the argument; storage_options applies to URLs (s3://, gs:// ...)."
             )
         return location
 

@@ -7,7 +7,7 @@ Fabric or the Trainer: it is given devices, a cluster environment and a precisio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -62,6 +62,7 @@ class ParallelCore:
         process_group_backend: str | None,
         timeout: timedelta | None,
         async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
@@ -101,7 +102,7 @@ class ParallelCore:
         self._device_mesh: DeviceMesh | None = None
         self._mesh_world: Any = None  # the default process group the mesh was built in
         self.grad_sync = GradientSyncControl(gradient_accumulation)
-        self.checkpointer = Checkpointer(async_save=async_save, timeout=self.timeout)
+        self.checkpointer = Checkpointer(async_save=async_save, timeout=self.timeout, storage_options=storage_options)
 
     # -- environment ---------------------------------------------------------------------------------
     @staticmethod

@@ -8,7 +8,7 @@ filled in by Fabric; standalone, :meth:`ModelParallelStrategy.setup_environment`
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
@@ -89,6 +89,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         timeout: for every collective; a hung rank fails after this instead of blocking forever.
         async_save: return from ``save_checkpoint`` once the state is staged in CPU memory and write it in
             the background; the next save, any load and ``teardown()`` wait for it.
+        storage_options: fsspec options (credentials, endpoint ...) for checkpoints at URLs (``s3://`` ...),
+            for every save and load; without them the file system's own configuration (``AWS_*`` ...).
         data_parallel_replicate_size: split the data-parallel ranks into this many replicas, each sharding the
             model over the rest (HSDP; the mesh becomes ``("data_parallel_replicate", "data_parallel_shard",
             "tensor_parallel")``). ``data_parallel_size`` stays the whole data-parallel size. ``"auto"``: one
@@ -123,6 +125,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         precision: Precision | None = None,
         async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
@@ -144,6 +147,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             async_save=async_save,
+            storage_options=storage_options,
             data_parallel_replicate_size=data_parallel_replicate_size,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,

@@ -73,6 +73,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         parallelize_fn: optional ``(module, device_mesh) -> module`` applied to the LightningModule in place, once:
             later runs (``validate`` after ``fit``, a second ``fit``) use the module as it is.
         async_save: checkpoints return once staged in CPU memory and are written in the background.
+        storage_options: fsspec options for checkpoints at URLs (``s3://`` ...), for every save and load.
         data_parallel_replicate_size, mixed_precision, cpu_offload, reshard_after_forward, gradient_accumulation:
             HSDP and the FSDP2 options, as for the Fabric strategy. ``configure_model`` (or ``parallelize_fn``)
             passes them on with ``fully_shard(module, **modelpar.fsdp_kwargs(self.device_mesh))``;
@@ -91,6 +92,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = None,
         *,
         async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
@@ -107,6 +109,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             async_save=async_save,
+            storage_options=storage_options,
             data_parallel_replicate_size=data_parallel_replicate_size,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,

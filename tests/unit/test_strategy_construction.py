@@ -116,10 +116,21 @@ def test_standalone_precision_defaults_to_32_true():
     assert ModelParallelStrategy(identity).precision.precision == "32-true"
 
 
-def test_storage_options_are_refused_before_anything_is_written(tmp_path):
+def test_storage_options_are_refused_for_local_paths_before_anything_is_written(tmp_path):
     strategy = ModelParallelStrategy(identity)
-    with pytest.raises(TypeError, match=r"storage_options=\.\.\.\)` is not supported"):
+    with pytest.raises(TypeError, match=r"storage_options=\.\.\.\)` is not supported for the local path"):
         strategy.save_checkpoint(tmp_path / "c", {"model": torch.nn.Linear(1, 1)}, storage_options={})
+    assert not (tmp_path / "c").exists()
+
+
+def test_urls_reach_fsspec_whole_with_the_strategys_and_the_calls_storage_options():
+    from modelpar.checkpoint._remote import RemotePath
+
+    strategy = ModelParallelStrategy(identity, storage_options={"skip_instance_cache": True, "x": 1})
+    where = strategy._checkpoint_path("memory://bucket/run/step-5", {"x": 2})
+    assert isinstance(where, RemotePath) and str(where) == "memory://bucket/run/step-5"
+    assert where.storage_options == {"skip_instance_cache": True, "x": 2}  # the call's options win
+    assert strategy._checkpoint_path("memory://b/c").storage_options == {"skip_instance_cache": True, "x": 1}
 
 
 def test_load_without_state_asks_for_one(tmp_path):
