@@ -98,8 +98,8 @@ def _errors(root: RemotePath) -> dict[str, Any]:
     # a prefix of the user's own objects is not replaced
     with pytest.raises(IsADirectoryError, match=r"Refusing to save to 's3://.*user-files'.*'notes.txt'"):
         fabric.save(root / "user-files", {"model": model})
-    # storage_options are for URLs; a bucket that does not exist fails on every rank
-    with pytest.raises(TypeError, match="not supported for the local path.*applies to URLs"):
+    # storage_options are for URLs; an unreachable endpoint fails on every rank
+    with pytest.raises(TypeError, match=r"not supported for the local path.*applies to URLs"):
         fabric.strategy.save_checkpoint("local-folder", {"model": model}, storage_options={"anon": True})
     unreachable = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "config_kwargs": {"connect_timeout": 1}}
     with pytest.raises(Exception, match=r"127\.0\.0\.1:9"):  # storage_options reach fsspec; rank 0's error, everywhere
