@@ -27,6 +27,7 @@ from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._materialize import has_meta_tensors
 from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, SizeArg, check_size_arg
 from modelpar._placement import materialize, move_to_device, offloads
+from modelpar._watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout, watch_peers
 from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
 
@@ -68,6 +69,7 @@ class ParallelCore:
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
         gradient_accumulation: AccumulationMode = "sharded",
+        peer_timeout: PeerTimeoutArg = DEFAULT_PEER_TIMEOUT,
     ) -> None:
         # Validate at construction: it runs identically on every rank and long before any collective.
         check_size_arg("data_parallel_size", data_parallel_size)
@@ -96,6 +98,8 @@ class ParallelCore:
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.process_group_backend = process_group_backend
         self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+        #: Seconds after which a silent peer ends every rank with a clear error (``modelpar._watchdog``); None: off.
+        self.peer_timeout = resolve_peer_timeout(peer_timeout)
         self.layout: MeshLayout | None = None
         #: False only when standalone detection could not tell the processes per node ("auto" is refused then).
         self.per_node_known = True
@@ -163,6 +167,7 @@ class ParallelCore:
         backend = self.process_group_backend or default_backend(root_device)
         self.process_group_backend = backend
         init_process_group(cluster_environment, backend, self.timeout, root_device)
+        watch_peers(self.peer_timeout)  # a rank that dies must not leave the others waiting for the timeout
         mesh, world = self._device_mesh, dist.group.WORLD
         if (
             mesh is None

@@ -32,6 +32,7 @@ from modelpar._grad_sync import AccumulationMode
 from modelpar._lightning import register_in_every_namespace
 from modelpar._mesh import SizeArg
 from modelpar._precision import check_precision, without_autocast
+from modelpar._watchdog import DEFAULT_PEER_TIMEOUT
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -131,6 +132,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
         gradient_accumulation: AccumulationMode = "sharded",
+        peer_timeout: float | timedelta | None = DEFAULT_PEER_TIMEOUT,
     ) -> None:
         if parallelize_fn is None:
             raise TypeError(
@@ -153,6 +155,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,
             gradient_accumulation=gradient_accumulation,
+            peer_timeout=peer_timeout,
         )
         self._quiet_precision: tuple[Precision, Precision] | None = None  # (plugin, its copy without autocast)
         ParallelStrategy.__init__(  # skip Lightning's __init__: its state is unused here

@@ -39,6 +39,7 @@ from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce
 from modelpar._grad_sync import AccumulationMode
 from modelpar._mesh import SizeArg
 from modelpar._precision import without_autocast
+from modelpar._watchdog import DEFAULT_PEER_TIMEOUT
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 from modelpar.checkpoint._remote import RemotePath, withdraw
 from modelpar.checkpoint._state import state_dict_options
@@ -98,6 +99,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
         gradient_accumulation: AccumulationMode = "sharded",
+        peer_timeout: float | timedelta | None = DEFAULT_PEER_TIMEOUT,
     ) -> None:
         fn: ParallelizeFn | None = parallelize_fn
         self._core = ParallelCore(
@@ -115,6 +117,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,
             gradient_accumulation=gradient_accumulation,
+            peer_timeout=peer_timeout,
         )
         self._quiet_precision: tuple[Precision, Precision] | None = None  # (plugin, its copy without autocast)
         ParallelStrategy.__init__(self)  # skip Lightning's __init__: its state is unused here

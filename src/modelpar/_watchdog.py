@@ -1,0 +1,432 @@
+"""Peer liveness: end this process with a clear error when another process of the job dies or stops answering.
+
+Why it exists. A collective blocks until every rank takes part. When a rank is killed (OOM killer, SIGKILL, a
+lost node), the others block in their next collective until the process-group timeout (30 minutes) ends it, or,
+on gloo where the kernel resets the dead process's sockets, fail at once with a bare "Connection reset by peer"
+that does not say who died. What each launcher does about it on its own, and what this adds, is written up in
+docs/checkpointing.md ("When a process dies").
+
+How. Every rank runs one daemon thread, started right after the default process group exists
+(:func:`watch_peers`). Through its own client of the job's c10d store (``MASTER_ADDR:MASTER_PORT``: rank 0's
+process under Lightning's launchers, torchrun's agent under torchrun) it bumps a heartbeat counter every
+``peer_timeout / 6`` seconds (at most 5 s) and watches one peer's counter, the next rank's, so the store serves
+a few small requests per rank and interval whatever the world size. A peer whose counter has not moved for
+``peer_timeout`` seconds, or a store that has not answered for as long, is lost: the thread publishes that under
+a key every rank polls, prints why to stderr and ends the process with :data:`PEER_LOST_EXIT_CODE`. It must end
+it with ``os._exit``: the main thread is then usually blocked inside a C++ collective, where no Python
+exception can reach it. A rank that stops normally (the process group destroyed, interpreter exit) marks its
+counter as finished, so its peers stop watching it instead of mistaking the end of a job for a death.
+
+When the main thread fails first (gloo's "Connection reset by peer" comes within a second), an exception hook
+names the process that died, if a same-host process is gone or a verdict was published, after the traceback.
+
+A heartbeat is a Python thread, so it needs the GIL: code that holds the GIL for longer than ``peer_timeout``
+without releasing it (rare: torch ops and collectives release it) would look dead. Raise ``peer_timeout`` for
+such code, or pass ``peer_timeout=None`` to turn the watchdog off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_PEER_TIMEOUT",
+    "PEER_LOST_EXIT_CODE",
+    "PeerTimeoutArg",
+    "PeerWatchdog",
+    "StaleClock",
+    "heartbeat_interval",
+    "lost_peer_message",
+    "resolve_peer_timeout",
+    "watch_peers",
+]
+
+PeerTimeoutArg = float | int | timedelta | None
+
+#: Seconds without a heartbeat after which a peer counts as lost: far above a heartbeat's period (a few seconds),
+#: far below the 30-minute collective timeout.
+DEFAULT_PEER_TIMEOUT = 30.0
+
+#: Exit status of a process the watchdog ends: ``EX_TEMPFAIL`` ("temporary failure, try again"), as restarting the
+#: job and resuming from the last checkpoint is the remedy, and distinct from a crash's 1 or a signal's negative code.
+PEER_LOST_EXIT_CODE = 75
+
+#: Added to a heartbeat counter by a rank that stops normally: a counter at or above it means "finished, not dead".
+_FINISHED = 1 << 40
+
+
+def resolve_peer_timeout(value: PeerTimeoutArg) -> float | None:
+    """``peer_timeout`` as seconds (``None``: no watchdog); a clear ``TypeError``/``ValueError`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
+        raise TypeError(
+            "`peer_timeout` must be a number of seconds, a `datetime.timedelta`, or None to turn the watchdog off,"
+            f" but got {value!r}."
+        )
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"`peer_timeout` must be a positive, finite number of seconds, but got {value!r}. Pass e.g."
+            f" `peer_timeout={DEFAULT_PEER_TIMEOUT:g}` (the default), or None to turn the watchdog off."
+        )
+    return seconds
+
+
+def heartbeat_interval(peer_timeout: float) -> float:
+    """Seconds between heartbeats: six per ``peer_timeout``, at most 5 s (a few tiny requests), at least 50 ms."""
+    return min(5.0, max(0.05, peer_timeout / 6))
+
+
+class StaleClock:
+    """When a counter last moved, by this process's monotonic clock: no clocks are compared across hosts.
+
+    A counter never seen counts from the clock's creation, so a peer that died before its first heartbeat
+    is found too.
+    """
+
+    def __init__(self, now: float) -> None:
+        self._value: int | None = None
+        self._since = now
+
+    def observe(self, value: int, now: float) -> float:
+        """Record ``value``; return for how many seconds it has not changed."""
+        if value != self._value:
+            self._value, self._since = value, now
+        return now - self._since
+
+
+#: Seconds a last request may take (marking this rank finished at exit, publishing a verdict, naming a peer).
+_LAST_WORDS = 2.0
+
+
+class _Call:
+    """One store request on its own daemon thread, so that the watchdog can judge while it waits.
+
+    A c10d store client's timeout covers waiting for keys, not a store host that stops reading: against a frozen
+    host (or one whose network is gone) a request blocks for good. Daemon threads never hold up the exit.
+    """
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.finished = 0.0  # monotonic time of the answer
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="modelpar-store-request", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as error:  # handed to whoever waits
+            self.error = error
+        self.finished = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the c10d store did not answer within {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@dataclass(frozen=True)
+class _Process:
+    """Where a rank runs, as it published itself: for messages and the same-host liveness check."""
+
+    host: str
+    pid: int
+    machine: str  # host name and PID namespace: equal means the PID can be checked from here
+
+    def encode(self) -> str:
+        return f"{self.host}\t{self.pid}\t{self.machine}"
+
+    @classmethod
+    def decode(cls, text: str) -> _Process | None:
+        parts = text.split("\t")
+        return cls(parts[0], int(parts[1]), parts[2]) if len(parts) == 3 and parts[1].isdigit() else None
+
+    @classmethod
+    def this(cls) -> _Process:
+        host = socket.gethostname()
+        try:
+            namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+        except OSError:  # no /proc (macOS, Windows): PIDs are never checked across processes then
+            namespace = f"pid{os.getpid()}"
+        return cls(host, os.getpid(), f"{host}/{namespace}")
+
+    def gone(self) -> bool:
+        """Whether this process has ended; only meaningful when it runs on this machine (same ``machine``)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, not yet reaped
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+
+def lost_peer_message(*, rank: int, what: str, peer_timeout: float, reported_by: int | None = None) -> str:
+    """The error a rank prints before the watchdog ends it: who is lost, why this rank stops, what to do."""
+    source = f"rank {reported_by} found that " if reported_by is not None and reported_by != rank else ""
+    return (
+        f"modelpar: ending rank {rank} (exit code {PEER_LOST_EXIT_CODE}) because {source}{what}. The other ranks"
+        " would otherwise wait in their next collective until the process-group timeout. Find why it stopped in"
+        " its own log, and for a SIGKILL in the kernel log (`dmesg`: the OOM killer), then restart the job (e.g."
+        " `torchrun --max-restarts`) and resume from the last checkpoint. Bound: the strategy's"
+        f" `peer_timeout={peer_timeout:g}` seconds (None turns this watchdog off)."
+    )
+
+
+class PeerWatchdog:
+    """One rank's heartbeat thread over the job's store; see the module docstring. Start and stop are idempotent."""
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        rank: int,
+        world_size: int,
+        peer_timeout: float,
+        prefix: str,
+        group: Any = None,
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.peer_timeout, self.interval = peer_timeout, heartbeat_interval(peer_timeout)
+        self.group = group  # the default process group watched: when it is gone, the watchdog stops
+        self.peer = (rank + 1) % world_size
+        self._prefix, self._exit = prefix, exit
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._me = _Process.this()
+        #: The ranks on this machine, as ``rank -> pid``: their death can be told from here at once, store or not.
+        self.neighbours: dict[int, int] = {}
+
+    def _key(self, *parts: object) -> str:
+        return "/".join((self._prefix, *map(str, parts)))
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    def start(self) -> PeerWatchdog:
+        if self._thread is None:
+            self.store.set(self._key("who", self.rank), self._me.encode())
+            self.store.append(self._key("machine", self._me.machine), f"{self.rank} {self._me.pid};")
+            self.store.add(self._key("beat", self.rank), 1)
+            self._thread = threading.Thread(target=self._run, name="modelpar-peer-watchdog", daemon=True)
+            self._thread.start()
+            _hook_in(self)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Mark this rank finished (so peers do not take its silence for a death) and end the thread; quiet."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            # the store host may have finished first, or be frozen: then there is nobody to tell
+            with contextlib.suppress(Exception):
+                _Call(lambda: self.store.add(self._key("beat", self.rank), _FINISHED)).wait(_LAST_WORDS)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=self.interval + _LAST_WORDS)
+        _hook_out(self)
+
+    # -- the thread ----------------------------------------------------------------------------------------
+    def _exchange(self) -> tuple[str | None, int]:
+        """One tick's requests: bump our counter, read a published verdict, read the watched peer's counter."""
+        self.store.add(self._key("beat", self.rank), 1)
+        self.neighbours = _parse_neighbours(self.store.get(self._key("machine", self._me.machine)).decode())
+        lost = self._key("lost")
+        verdict = self.store.get(lost).decode() if self.store.check([lost]) else None
+        return verdict, int(self.store.add(self._key("beat", self.peer), 0))
+
+    def _run(self) -> None:
+        last_answer = time.monotonic()
+        peer_clock = StaleClock(last_answer)
+        pending: _Call | None = _Call(self._exchange)
+        tick = min(
+            0.25, self.interval
+        )  # the first ticks come sooner, so that the ranks of this machine are known within a second
+        while not self._stop.wait(tick):
+            tick = min(2 * tick, self.interval)
+            if self.group is not None and (not dist.is_initialized() or dist.group.WORLD is not self.group):
+                self.stop()  # the process group was destroyed: the job is over for this rank
+                return
+            if pending is not None and pending.done:
+                answered, pending = pending, None
+                if answered.error is None and answered.result is not None:
+                    verdict, beat = answered.result
+                    last_answer = answered.finished
+                    if verdict is not None:
+                        reporter, what = verdict.split("\t", 1)
+                        return self._fail(what, reported_by=int(reporter))
+                    if beat >= _FINISHED:  # the peer stopped normally: the job is ending, nothing left to watch
+                        return
+                    # judged on answers only: a store that does not answer must not make the peer look dead
+                    if peer_clock.observe(beat, answered.finished) >= self.peer_timeout:
+                        what = self._describe(self.peer, f"has not sent a heartbeat for {self.peer_timeout:g} s")
+                        return self._fail(what, publish=True)
+            if time.monotonic() - last_answer >= self.peer_timeout:
+                return self._fail(self._store_lost())
+            if pending is None:  # one request at a time: a frozen store host leaves one thread waiting, not many
+                pending = _Call(self._exchange)
+
+    def _describe(self, rank: int, silent: str) -> str:
+        """'rank 3 (pid 123 on host node1) has exited' where this can be told, else '... <silent>'."""
+        if rank in self._exited():
+            return f"rank {rank} (pid {self.neighbours[rank]} on host {self._me.host}) has exited"
+        peer = self._who(rank)
+        if peer is None:
+            return f"rank {rank} {silent} (it may have died before it could say where it runs)"
+        return f"rank {rank} (pid {peer.pid} on host {peer.host}) {silent}: it died, hangs, or its host is unreachable"
+
+    def _exited(self) -> list[int]:
+        """The other ranks on this machine whose process has ended (known without the store)."""
+        mine = self._me.machine
+        return [r for r, pid in sorted(self.neighbours.items()) if r != self.rank and _Process("", pid, mine).gone()]
+
+    def _who(self, rank: int) -> _Process | None:
+        key = self._key("who", rank)
+        try:
+            text = _Call(lambda: self.store.get(key).decode() if self.store.check([key]) else "").wait(_LAST_WORDS)
+        except Exception:  # only for the message
+            return None
+        return _Process.decode(text)
+
+    def _store_lost(self) -> str:
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        exited = self._exited()
+        seen = f" ({self._describe(exited[0], '')})" if exited else ""
+        return (
+            f"the job's c10d store at {address} has not answered for {self.peer_timeout:g} s: the process hosting"
+            f" it died (rank 0 under Lightning's launchers, the first node's agent under torchrun){seen} or is"
+            " unreachable"
+        )
+
+    def _fail(self, what: str, *, reported_by: int | None = None, publish: bool = False) -> None:
+        """Publish the verdict for the other ranks, print it, and end the process (the main thread may be stuck)."""
+        if self._stop.is_set():
+            return  # stopped meanwhile: a normal end, not a death
+        if publish:  # else the others find out by their own clocks
+            with contextlib.suppress(Exception):
+                _Call(lambda: self.store.set(self._key("lost"), f"{self.rank}\t{what}")).wait(_LAST_WORDS)
+        message = lost_peer_message(rank=self.rank, what=what, peer_timeout=self.peer_timeout, reported_by=reported_by)
+        print(message, file=sys.stderr, flush=True)
+        _record_for_torchrun(message)
+        self._exit(PEER_LOST_EXIT_CODE)
+
+    # -- when the main thread fails first ------------------------------------------------------------------
+    def diagnose(self) -> str | None:
+        """A quick look (a few seconds at most): a published verdict, or a process on this machine that exited."""
+        lost = self._key("lost")
+        with contextlib.suppress(Exception):  # the store host may be the one that died; look at the processes
+            verdict = _Call(lambda: self.store.get(lost).decode() if self.store.check([lost]) else "")
+            reporter, _, what = verdict.wait(_LAST_WORDS).partition("\t")
+            if what:
+                return f"rank {reporter} found that {what}"
+        exited = self._exited()
+        return self._describe(exited[0], "") if exited else None
+
+
+_running: list[PeerWatchdog] = []  # the started, not yet stopped watchdogs of this process (usually one)
+_previous_hook: Any = None
+
+
+def _hook_in(watchdog: PeerWatchdog) -> None:
+    """Install :func:`_report_lost_peer` as ``sys.excepthook`` while a watchdog runs (once, chained)."""
+    global _previous_hook
+    _running.append(watchdog)
+    if sys.excepthook is not _report_lost_peer:
+        _previous_hook, sys.excepthook = sys.excepthook, _report_lost_peer
+
+
+def _hook_out(watchdog: PeerWatchdog) -> None:
+    if watchdog in _running:
+        _running.remove(watchdog)
+    if not _running and sys.excepthook is _report_lost_peer:
+        sys.excepthook = _previous_hook
+
+
+def _report_lost_peer(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+    """After the traceback of an uncaught error, name the process whose death most likely caused it, if found."""
+    (_previous_hook or sys.__excepthook__)(kind, error, trace)
+    for watchdog in list(_running):
+        found = watchdog.diagnose() if not isinstance(error, KeyboardInterrupt) else None
+        if found is not None:
+            print(
+                f"modelpar: rank {watchdog.rank} failed with the error above, most likely because {found}. Find why"
+                " in that process's log (for a SIGKILL: `dmesg`, the OOM killer), then restart the job and resume"
+                " from the last checkpoint.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _parse_neighbours(text: str) -> dict[int, int]:
+    """``"0 123;1 124;"`` (what the ranks of one machine appended) as ``{0: 123, 1: 124}``."""
+    pairs = (entry.split() for entry in text.split(";") if entry.strip())
+    return {int(rank): int(pid) for rank, pid in pairs}
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Under torchrun, leave the message where its failure summary shows it (``TORCHELASTIC_ERROR_FILE``): the
+    root cause then reads as this message instead of a bare exit code."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
+_active: PeerWatchdog | None = None
+_generation = 0  # process groups watched so far in this process: keeps keys apart when a job makes a new group
+
+
+def watch_peers(peer_timeout: float | None, store_timeout: timedelta | None = None) -> PeerWatchdog | None:
+    """Start this rank's watchdog over the default process group, once per group; ``None`` when there is nothing
+    to watch (one process, ``peer_timeout=None``, or no ``MASTER_ADDR``/``MASTER_PORT`` to reach the store at)."""
+    global _active, _generation
+    if _active is not None and _active.running and _active.group is dist.group.WORLD:
+        return _active
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if peer_timeout is None or not dist.is_initialized() or dist.get_world_size() < 2 or not address or not port:
+        return None
+    store = dist.TCPStore(
+        address,
+        int(port),
+        is_master=False,
+        timeout=store_timeout or timedelta(seconds=max(1.0, heartbeat_interval(peer_timeout))),
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restart
+    _generation += 1
+    _active = PeerWatchdog(
+        store,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        peer_timeout=peer_timeout,
+        prefix=f"modelpar/watchdog/{attempt}/{_generation}",
+        group=dist.group.WORLD,
+    ).start()
+    atexit.register(_active.stop)
+    return _active
