@@ -346,6 +346,12 @@ class PeerWatchdog:
             if what:
                 return f"rank {reporter} found that {what}"
         exited = self._exited()
+        if len(exited) > 1:  # the others may have failed because of the first; only their logs tell the order
+            shown = ", ".join(f"{r} (pid {self.neighbours[r]})" for r in exited)
+            return (
+                f"ranks {shown} on host {self._me.host} have exited (the first to exit, the one whose log shows no"
+                " error of its own, caused the others' errors)"
+            )
         return self._describe(exited[0], "") if exited else None
 
 

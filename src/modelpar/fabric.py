@@ -105,6 +105,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         gradient_accumulation: ``"sharded"`` (default) reduce-scatters every micro-batch of ``no_backward_sync``
             so gradients stay sharded (HSDP defers only the replica all-reduce); ``"unsharded"`` skips all
             reduction until the last micro-batch (less traffic, unsharded gradients in memory).
+        peer_timeout: seconds (a number or ``timedelta``) after which a rank that stopped heartbeating (killed,
+            frozen, its host gone), or a c10d store that stopped answering, ends every other rank with exit code
+            75 and an error naming it, instead of leaving them in a collective until ``timeout``. Default 30;
+            ``None`` turns the watchdog off. One process starts none. See docs/checkpointing.md.
         accelerator, parallel_devices, cluster_environment, precision: for standalone use; Fabric sets
             them otherwise. When left out standalone, they are detected (torchrun, SLURM, ...; CUDA or CPU;
             32-bit precision).

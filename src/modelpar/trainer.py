@@ -79,6 +79,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             HSDP and the FSDP2 options, as for the Fabric strategy. ``configure_model`` (or ``parallelize_fn``)
             passes them on with ``fully_shard(module, **modelpar.fsdp_kwargs(self.device_mesh))``;
             ``gradient_accumulation`` decides what ``accumulate_grad_batches`` skips.
+        peer_timeout: seconds until a dead or frozen rank ends the others with a clear error; as for the Fabric
+            strategy (default 30, ``None``: off).
     """
 
     _framework = "pytorch"

@@ -1,6 +1,7 @@
 """The peer watchdog's decisions, on a real in-memory c10d store and no process group (``modelpar._watchdog``)."""
 
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -178,3 +179,20 @@ def test_a_single_process_run_starts_no_watchdog(one_process_group):
     strategy.setup_environment()
     assert strategy.device_mesh.size() == 1
     assert watch_peers(DEFAULT_PEER_TIMEOUT) is None and watchdog_threads() == []
+
+
+def test_diagnose_names_every_rank_on_this_machine_that_has_exited_when_several_have():
+    store, exits = dist.HashStore(), Exits()
+    a = watchdog(store, 0, 3, exits).start()
+    for rank in (1, 2):
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        store.append(f"job/machine/{a._me.machine}", f"{rank} {gone.pid};")
+    time.sleep(3 * heartbeat_interval(TIMEOUT))
+    found = a.diagnose()
+    assert found is not None and re.fullmatch(
+        rf"ranks 1 \(pid \d+\), 2 \(pid \d+\) on host {re.escape(a._me.host)} have exited \(the first to exit, the one"
+        r" whose log shows no error of its own, caused the others' errors\)",
+        found,
+    )
+    a.stop()
