@@ -6,7 +6,7 @@ on gloo where the kernel resets the dead process's sockets, fail at once with a 
 that does not say who died. What each launcher does about it on its own, and what this adds, is written up in
 docs/checkpointing.md ("When a process dies").
 
-How. Every rank runs one daemon thread, started right after the default process group exists
+How. Every rank runs one thread, started right after the default process group exists
 (:func:`watch_peers`). Through its own client of the job's c10d store (``MASTER_ADDR:MASTER_PORT``: rank 0's
 process under Lightning's launchers, torchrun's agent under torchrun) it bumps a heartbeat counter every
 ``peer_timeout / 6`` seconds (at most 5 s) and watches one peer's counter, the next rank's, so the store serves
@@ -14,8 +14,10 @@ a few small requests per rank and interval whatever the world size. A peer whose
 ``peer_timeout`` seconds, or a store that has not answered for as long, is lost: the thread publishes that under
 a key every rank polls, prints why to stderr and ends the process with :data:`PEER_LOST_EXIT_CODE`. It must end
 it with ``os._exit``: the main thread is then usually blocked inside a C++ collective, where no Python
-exception can reach it. A rank that stops normally (the process group destroyed, interpreter exit) marks its
-counter as finished, so its peers stop watching it instead of mistaking the end of a job for a death.
+exception can reach it. A rank that stops normally (its main thread finished, the process group destroyed)
+marks its counter as finished; once a rank has seen that, it stops judging, as the job is ending and silence
+is then no death. Store requests run on short-lived daemon threads of their own: against a frozen store host
+a c10d client blocks for good, and the watchdog must still judge.
 
 When the main thread fails first (gloo's "Connection reset by peer" comes within a second), an exception hook
 names the process that died, if a same-host process is gone or a verdict was published, after the traceback.
@@ -31,17 +33,18 @@ import atexit
 import contextlib
 import json
 import os
-import socket
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
+
+from modelpar._peers import RankProcess, StoreCall, parse_neighbours
 
 __all__ = [
     "DEFAULT_PEER_TIMEOUT",
@@ -110,78 +113,11 @@ class StaleClock:
         return now - self._since
 
 
+#: Seconds between the thread's looks at whether the main thread or the process group has ended.
+_GLANCE = 0.1
+
 #: Seconds a last request may take (marking this rank finished at exit, publishing a verdict, naming a peer).
 _LAST_WORDS = 2.0
-
-
-class _Call:
-    """One store request on its own daemon thread, so that the watchdog can judge while it waits.
-
-    A c10d store client's timeout covers waiting for keys, not a store host that stops reading: against a frozen
-    host (or one whose network is gone) a request blocks for good. Daemon threads never hold up the exit.
-    """
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.finished = 0.0  # monotonic time of the answer
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="modelpar-store-request", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.result = fn()
-        except BaseException as error:  # handed to whoever waits
-            self.error = error
-        self.finished = time.monotonic()
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float) -> Any:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the c10d store did not answer within {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-@dataclass(frozen=True)
-class _Process:
-    """Where a rank runs, as it published itself: for messages and the same-host liveness check."""
-
-    host: str
-    pid: int
-    machine: str  # host name and PID namespace: equal means the PID can be checked from here
-
-    def encode(self) -> str:
-        return f"{self.host}\t{self.pid}\t{self.machine}"
-
-    @classmethod
-    def decode(cls, text: str) -> _Process | None:
-        parts = text.split("\t")
-        return cls(parts[0], int(parts[1]), parts[2]) if len(parts) == 3 and parts[1].isdigit() else None
-
-    @classmethod
-    def this(cls) -> _Process:
-        host = socket.gethostname()
-        try:
-            namespace = str(os.stat("/proc/self/ns/pid").st_ino)
-        except OSError:  # no /proc (macOS, Windows): PIDs are never checked across processes then
-            namespace = f"pid{os.getpid()}"
-        return cls(host, os.getpid(), f"{host}/{namespace}")
-
-    def gone(self) -> bool:
-        """Whether this process has ended; only meaningful when it runs on this machine (same ``machine``)."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # exited, not yet reaped
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
 
 
 def lost_peer_message(*, rank: int, what: str, peer_timeout: float, reported_by: int | None = None) -> str:
@@ -217,7 +153,7 @@ class PeerWatchdog:
         self._prefix, self._exit = prefix, exit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._me = _Process.this()
+        self._me = RankProcess.this()
         #: The ranks on this machine, as ``rank -> pid``: their death can be told from here at once, store or not.
         self.neighbours: dict[int, int] = {}
 
@@ -230,7 +166,9 @@ class PeerWatchdog:
             self.store.set(self._key("who", self.rank), self._me.encode())
             self.store.append(self._key("machine", self._me.machine), f"{self.rank} {self._me.pid};")
             self.store.add(self._key("beat", self.rank), 1)
-            self._thread = threading.Thread(target=self._run, name="modelpar-peer-watchdog", daemon=True)
+            # Not a daemon: Python joins it when the main thread finishes (also in multiprocessing workers, which
+            # skip atexit), and it then marks this rank finished, so a rank that ends first is not taken for dead.
+            self._thread = threading.Thread(target=self._run, name="modelpar-peer-watchdog")
             self._thread.start()
             _hook_in(self)
         return self
@@ -247,7 +185,7 @@ class PeerWatchdog:
         if self._thread is not None:
             # the store host may have finished first, or be frozen: then there is nobody to tell
             with contextlib.suppress(Exception):
-                _Call(lambda: self.store.add(self._key("beat", self.rank), _FINISHED)).wait(_LAST_WORDS)
+                StoreCall(lambda: self.store.add(self._key("beat", self.rank), _FINISHED)).wait(_LAST_WORDS)
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=self.interval + _LAST_WORDS)
         _hook_out(self)
@@ -256,7 +194,7 @@ class PeerWatchdog:
     def _exchange(self) -> tuple[str | None, int]:
         """One tick's requests: bump our counter, read a published verdict, read the watched peer's counter."""
         self.store.add(self._key("beat", self.rank), 1)
-        self.neighbours = _parse_neighbours(self.store.get(self._key("machine", self._me.machine)).decode())
+        self.neighbours = parse_neighbours(self.store.get(self._key("machine", self._me.machine)).decode())
         lost = self._key("lost")
         verdict = self.store.get(lost).decode() if self.store.check([lost]) else None
         return verdict, int(self.store.add(self._key("beat", self.peer), 0))
@@ -264,15 +202,17 @@ class PeerWatchdog:
     def _run(self) -> None:
         last_answer = time.monotonic()
         peer_clock = StaleClock(last_answer)
-        pending: _Call | None = _Call(self._exchange)
-        tick = min(
-            0.25, self.interval
-        )  # the first ticks come sooner, so that the ranks of this machine are known within a second
-        while not self._stop.wait(tick):
-            tick = min(2 * tick, self.interval)
-            if self.group is not None and (not dist.is_initialized() or dist.group.WORLD is not self.group):
-                self.stop()  # the process group was destroyed: the job is over for this rank
+        pending: StoreCall | None = StoreCall(self._exchange)
+        judging = True  # until a rank is seen finishing normally: the job is ending then, silence is no death
+        # The first heartbeats come sooner, so that the ranks of this machine are known within a second.
+        period, last_beat = min(0.25, self.interval), last_answer
+        while not self._stop.wait(min(_GLANCE, self.interval)):
+            if self._job_over():
+                self.stop()
                 return
+            if time.monotonic() - last_beat < period:
+                continue
+            last_beat, period = time.monotonic(), min(2 * period, self.interval)
             if pending is not None and pending.done:
                 answered, pending = pending, None
                 if answered.error is None and answered.result is not None:
@@ -281,16 +221,21 @@ class PeerWatchdog:
                     if verdict is not None:
                         reporter, what = verdict.split("\t", 1)
                         return self._fail(what, reported_by=int(reporter))
-                    if beat >= _FINISHED:  # the peer stopped normally: the job is ending, nothing left to watch
-                        return
+                    judging = judging and beat < _FINISHED
                     # judged on answers only: a store that does not answer must not make the peer look dead
-                    if peer_clock.observe(beat, answered.finished) >= self.peer_timeout:
+                    if judging and peer_clock.observe(beat, answered.finished) >= self.peer_timeout:
                         what = self._describe(self.peer, f"has not sent a heartbeat for {self.peer_timeout:g} s")
-                        return self._fail(what, publish=True)
-            if time.monotonic() - last_answer >= self.peer_timeout:
-                return self._fail(self._store_lost())
+                        return self._fail(what, publish=True, frozen=self.peer)
+            if judging and time.monotonic() - last_answer >= self.peer_timeout:
+                return self._fail(self._store_lost(), frozen=0)  # rank 0 hosts it under Lightning's launchers
             if pending is None:  # one request at a time: a frozen store host leaves one thread waiting, not many
-                pending = _Call(self._exchange)
+                pending = StoreCall(self._exchange)
+
+    def _job_over(self) -> bool:
+        """The main thread has finished (interpreter or ``multiprocessing`` exit), or the process group is gone."""
+        if not threading.main_thread().is_alive():
+            return True
+        return self.group is not None and (not dist.is_initialized() or dist.group.WORLD is not self.group)
 
     def _describe(self, rank: int, silent: str) -> str:
         """'rank 3 (pid 123 on host node1) has exited' where this can be told, else '... <silent>'."""
@@ -301,18 +246,30 @@ class PeerWatchdog:
             return f"rank {rank} {silent} (it may have died before it could say where it runs)"
         return f"rank {rank} (pid {peer.pid} on host {peer.host}) {silent}: it died, hangs, or its host is unreachable"
 
+    def _end_frozen(self, rank: int) -> None:
+        """SIGKILL a silent rank that still runs on this machine (frozen, or hung holding the GIL): under Lightning's
+        launchers nobody else would, and it may hold a GPU's memory. torchrun's agent does it itself (after 30 s),
+        and its summary should show this rank's message, not a SIGKILL, as the first failure."""
+        pid = self.neighbours.get(rank)
+        if pid is None or rank == self.rank or "TORCHELASTIC_RUN_ID" in os.environ:
+            return
+        if not RankProcess("", pid, self._me.machine).gone():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                print(f"modelpar: rank {self.rank} killed rank {rank} (SIGKILL to pid {pid}).", file=sys.stderr)
+
     def _exited(self) -> list[int]:
         """The other ranks on this machine whose process has ended (known without the store)."""
         mine = self._me.machine
-        return [r for r, pid in sorted(self.neighbours.items()) if r != self.rank and _Process("", pid, mine).gone()]
+        return [r for r, pid in sorted(self.neighbours.items()) if r != self.rank and RankProcess("", pid, mine).gone()]
 
-    def _who(self, rank: int) -> _Process | None:
+    def _who(self, rank: int) -> RankProcess | None:
         key = self._key("who", rank)
         try:
-            text = _Call(lambda: self.store.get(key).decode() if self.store.check([key]) else "").wait(_LAST_WORDS)
+            text = StoreCall(lambda: self.store.get(key).decode() if self.store.check([key]) else "").wait(_LAST_WORDS)
         except Exception:  # only for the message
             return None
-        return _Process.decode(text)
+        return RankProcess.decode(text)
 
     def _store_lost(self) -> str:
         address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -324,16 +281,23 @@ class PeerWatchdog:
             " unreachable"
         )
 
-    def _fail(self, what: str, *, reported_by: int | None = None, publish: bool = False) -> None:
+    def _fail(
+        self, what: str, *, reported_by: int | None = None, publish: bool = False, frozen: int | None = None
+    ) -> None:
         """Publish the verdict for the other ranks, print it, and end the process (the main thread may be stuck)."""
         if self._stop.is_set():
             return  # stopped meanwhile: a normal end, not a death
-        if publish:  # else the others find out by their own clocks
-            with contextlib.suppress(Exception):
-                _Call(lambda: self.store.set(self._key("lost"), f"{self.rank}\t{what}")).wait(_LAST_WORDS)
         message = lost_peer_message(rank=self.rank, what=what, peer_timeout=self.peer_timeout, reported_by=reported_by)
         print(message, file=sys.stderr, flush=True)
         _record_for_torchrun(message)
+        if publish:  # else the others find out by their own clocks
+            with contextlib.suppress(Exception):
+                StoreCall(lambda: self.store.set(self._key("lost"), f"{self.rank}\t{what}")).wait(_LAST_WORDS)
+                # This process may host the store (rank 0 under Lightning's launchers): stay until every rank has
+                # had a heartbeat to read the finding, rather than leave them to find the store gone a timeout later.
+                time.sleep(self.interval + _LAST_WORDS)
+        if frozen is not None:
+            self._end_frozen(frozen)
         self._exit(PEER_LOST_EXIT_CODE)
 
     # -- when the main thread fails first ------------------------------------------------------------------
@@ -341,7 +305,7 @@ class PeerWatchdog:
         """A quick look (a few seconds at most): a published verdict, or a process on this machine that exited."""
         lost = self._key("lost")
         with contextlib.suppress(Exception):  # the store host may be the one that died; look at the processes
-            verdict = _Call(lambda: self.store.get(lost).decode() if self.store.check([lost]) else "")
+            verdict = StoreCall(lambda: self.store.get(lost).decode() if self.store.check([lost]) else "")
             reporter, _, what = verdict.wait(_LAST_WORDS).partition("\t")
             if what:
                 return f"rank {reporter} found that {what}"
@@ -387,12 +351,6 @@ def _report_lost_peer(kind: type[BaseException], error: BaseException, trace: Tr
                 file=sys.stderr,
                 flush=True,
             )
-
-
-def _parse_neighbours(text: str) -> dict[int, int]:
-    """``"0 123;1 124;"`` (what the ranks of one machine appended) as ``{0: 123, 1: 124}``."""
-    pairs = (entry.split() for entry in text.split(";") if entry.strip())
-    return {int(rank): int(pid) for rank, pid in pairs}
 
 
 def _record_for_torchrun(message: str) -> None:

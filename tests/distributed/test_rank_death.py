@@ -136,14 +136,15 @@ def test_rank_0_killed_under_the_fabric_launcher_is_named_in_the_survivors_error
     assert expected in output, output[-3000:]
 
 
-def test_rank_0_frozen_under_the_fabric_launcher_ends_its_orphaned_children(tmp_path):
+def test_rank_0_frozen_under_the_fabric_launcher_ends_its_orphaned_child_which_ends_it(tmp_path):
     # the frozen launcher hosts the store and Lightning's observer of its children: neither can act
     proc = _launch(tmp_path, "fabric", victim=0, signal_name="SIGSTOP")
     signalled = _signalled_at(tmp_path, proc)
     try:
-        elapsed = _wait_ended([_pid(tmp_path, 1)], signalled)
+        elapsed = _wait_ended([_pid(tmp_path, 1), proc.pid], signalled)
     finally:
         output = _finish(proc, tmp_path, proc.pid)
     assert PEER_TIMEOUT - 1 <= elapsed < BOUND, elapsed  # judged from the last answer, up to a heartbeat earlier
     assert f"modelpar: ending rank 1 (exit code {PEER_LOST_EXIT_CODE}) because the job's c10d store at" in output
     assert "has not answered for 3 s: the process hosting it died (rank 0 under Lightning's launchers" in output
+    assert f"modelpar: rank 1 killed rank 0 (SIGKILL to pid {proc.pid})." in output and proc.returncode == -9

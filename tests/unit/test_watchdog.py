@@ -123,12 +123,12 @@ def test_ranks_that_beat_keep_each_other_alive_and_stop_quietly_and_once():
 def test_a_peer_that_never_beats_ends_its_watcher_and_the_verdict_reaches_the_other_ranks(capfd):
     store, exits = dist.HashStore(), Exits()
     watcher = watchdog(store, 0, 3, exits).start()  # watches rank 1, which never comes
-    assert exits.called.wait(10 * TIMEOUT) and exits.codes == [PEER_LOST_EXIT_CODE]
+    assert exits.called.wait(15) and exits.codes == [PEER_LOST_EXIT_CODE]
     err = capfd.readouterr().err
     assert "modelpar: ending rank 0 (exit code 75) because rank 1 has not sent a heartbeat for 0.4 s" in err
     late = Exits()
     other = watchdog(store, 2, 3, late).start()  # rank 2 learns it from the store at its next heartbeat
-    assert late.called.wait(10 * TIMEOUT) and late.codes == [PEER_LOST_EXIT_CODE]
+    assert late.called.wait(15) and late.codes == [PEER_LOST_EXIT_CODE]
     assert "ending rank 2 (exit code 75) because rank 0 found that rank 1 has not sent" in capfd.readouterr().err
     watcher.stop(), other.stop()
 
@@ -138,8 +138,19 @@ def test_a_peer_that_stopped_normally_is_not_taken_for_dead():
     a, b = watchdog(store, 0, 2, exits).start(), watchdog(store, 1, 2, exits).start()
     b.stop()  # rank 1's job is done; rank 0 finishes a little later
     time.sleep(4 * TIMEOUT)
-    assert exits.codes == [] and not a.running  # it stopped watching instead of ending the rank
+    assert exits.codes == [] and a.running  # it stopped judging, and beats on for whoever watches it
     a.stop()
+
+
+def test_a_watchdog_stops_by_itself_and_marks_its_rank_finished_when_the_process_group_is_gone():
+    store, exits = dist.HashStore(), Exits()
+    a = PeerWatchdog(store, rank=0, world_size=2, peer_timeout=TIMEOUT, prefix="job", group=object(), exit=exits)
+    a.start()  # its group is not the default one (there is none): as after destroy_process_group
+    deadline = time.monotonic() + 5
+    while a.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not a.running and watchdog_threads() == [] and exits.codes == []
+    assert store.add("job/beat/0", 0) >= 1 << 40
 
 
 def test_diagnose_names_a_rank_on_this_machine_whose_process_has_exited():
