@@ -37,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
@@ -375,13 +376,22 @@ def watch_peers(peer_timeout: float | None, store_timeout: timedelta | None = No
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if peer_timeout is None or not dist.is_initialized() or dist.get_world_size() < 2 or not address or not port:
         return None
-    store = dist.TCPStore(
-        address,
-        int(port),
-        is_master=False,
-        timeout=store_timeout or timedelta(seconds=max(1.0, heartbeat_interval(peer_timeout))),
-        wait_for_workers=False,
-    )
+    try:
+        store = dist.TCPStore(
+            address,
+            int(port),
+            is_master=False,
+            timeout=store_timeout or timedelta(seconds=max(1.0, heartbeat_interval(peer_timeout))),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as error:  # the group was made elsewhere (file://, tcp://...): a warning, no stop
+        warnings.warn(
+            f"modelpar's peer watchdog is off on rank {dist.get_rank()}: the c10d store at {address}:{port} (from"
+            f" MASTER_ADDR/MASTER_PORT) cannot be reached ({error}). A rank that dies may then leave the others"
+            " waiting for the collective timeout. Pass `peer_timeout=None` to the strategy to silence this.",
+            stacklevel=2,
+        )
+        return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restart
     _generation += 1
     _active = PeerWatchdog(
