@@ -211,10 +211,7 @@ class PeerWatchdog:
             if self._job_over():
                 self.stop()
                 return
-            if time.monotonic() - last_beat < period:
-                continue
-            last_beat, period = time.monotonic(), min(2 * period, self.interval)
-            if pending is not None and pending.done:
+            if pending is not None and pending.done:  # read at once: a finding must spread within a heartbeat
                 answered, pending = pending, None
                 if answered.error is None and answered.result is not None:
                     verdict, beat = answered.result
@@ -227,6 +224,9 @@ class PeerWatchdog:
                     if judging and peer_clock.observe(beat, answered.finished) >= self.peer_timeout:
                         what = self._describe(self.peer, f"has not sent a heartbeat for {self.peer_timeout:g} s")
                         return self._fail(what, publish=True, frozen=self.peer)
+            if time.monotonic() - last_beat < period:
+                continue
+            last_beat, period = time.monotonic(), min(2 * period, self.interval)
             if judging and time.monotonic() - last_answer >= self.peer_timeout:
                 return self._fail(self._store_lost(), frozen=0)  # rank 0 hosts it under Lightning's launchers
             if pending is None:  # one request at a time: a frozen store host leaves one thread waiting, not many
