@@ -19,12 +19,10 @@ marks its counter as finished; once a rank has seen that, it stops judging, as t
 is then no death. Store requests run on short-lived daemon threads of their own: against a frozen store host
 a c10d client blocks for good, and the watchdog must still judge.
 
-When the main thread fails first (gloo's "Connection reset by peer" comes within a second), an exception hook
-names the process that died, if a same-host process is gone or a verdict was published, after the traceback.
+When the main thread fails first (gloo's "Connection reset by peer"), an exception hook names the process that
+died after the traceback, if one on this machine is gone or a finding was published.
 
-A heartbeat is a Python thread, so it needs the GIL: code that holds the GIL for longer than ``peer_timeout``
-without releasing it (rare: torch ops and collectives release it) would look dead. Raise ``peer_timeout`` for
-such code, or pass ``peer_timeout=None`` to turn the watchdog off.
+The heartbeat needs the GIL: code holding it longer than ``peer_timeout`` (rare: torch ops release it) looks dead.
 """
 
 from __future__ import annotations
