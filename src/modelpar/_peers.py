@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["RankProcess", "StoreCall", "parse_neighbours"]
 
@@ -22,13 +22,23 @@ class StoreCall:
 
     A c10d store client's timeout covers waiting for keys, not a store host that stops reading: against a frozen
     host (or one whose network is gone) a request blocks for good. Daemon threads never hold up the exit.
+
+    But a daemon thread whose request *returns* while the interpreter is finalizing is ended by Python inside
+    pybind11's GIL guard, a C++ destructor, and the process aborts ("terminate called without an active
+    exception"). So the watchdog :meth:`drain`-s the requests in flight when it stops, before finalization;
+    only a request to a store that never answers again can outlive that, and it never returns.
     """
+
+    _live: ClassVar[set[StoreCall]] = set()
+    _lock = threading.Lock()
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.result: Any = None
         self.error: BaseException | None = None
         self.finished = 0.0  # monotonic time of the answer
         self._thread = threading.Thread(target=self._run, args=(fn,), name="modelpar-store-request", daemon=True)
+        with StoreCall._lock:
+            StoreCall._live.add(self)
         self._thread.start()
 
     def _run(self, fn: Callable[[], Any]) -> None:
@@ -37,6 +47,17 @@ class StoreCall:
         except BaseException as error:  # handed to whoever waits
             self.error = error
         self.finished = time.monotonic()
+        with StoreCall._lock:
+            StoreCall._live.discard(self)
+
+    @classmethod
+    def drain(cls, timeout: float) -> None:
+        """Wait up to ``timeout`` in all for the requests in flight to return (see the class docstring)."""
+        deadline = time.monotonic() + timeout
+        with cls._lock:
+            live = list(cls._live)
+        for call in live:
+            call._thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def done(self) -> bool:

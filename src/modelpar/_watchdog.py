@@ -187,6 +187,7 @@ class PeerWatchdog:
                 StoreCall(lambda: self.store.add(self._key("beat", self.rank), _FINISHED)).wait(_LAST_WORDS)
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=self.interval + _LAST_WORDS)
+            StoreCall.drain(_LAST_WORDS)  # none may return during finalization: that aborts the process
         _hook_out(self)
 
     # -- the thread ----------------------------------------------------------------------------------------
