@@ -179,6 +179,7 @@ def test_a_single_process_run_starts_no_watchdog(one_process_group):
     from lightning_fabric.accelerators import CPUAccelerator
     from lightning_fabric.plugins.environments import LightningEnvironment
 
+    before = set(watchdog_threads())  # an earlier test's watchdog may still be ending on a loaded machine
     strategy = ModelParallelStrategy(
         identity,
         1,
@@ -189,7 +190,7 @@ def test_a_single_process_run_starts_no_watchdog(one_process_group):
     )
     strategy.setup_environment()
     assert strategy.device_mesh.size() == 1
-    assert watch_peers(DEFAULT_PEER_TIMEOUT) is None and watchdog_threads() == []
+    assert watch_peers(DEFAULT_PEER_TIMEOUT) is None and set(watchdog_threads()) <= before
 
 
 def test_diagnose_names_every_rank_on_this_machine_that_has_exited_when_several_have():
