@@ -216,3 +216,27 @@ def test_a_full_save_that_fails_mid_write_leaves_the_previous_object_in_place(s3
     load_state(url, state)
     assert state["step"] == 1
     torch.testing.assert_close(state["model"].state_dict(), model.state_dict(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["distributed", "full"])
+def test_file_urls_round_trip_through_the_local_path_and_load_raw_reads_urls(tmp_path, s3_bucket, full):
+    from modelpar.checkpoint import Checkpointer
+
+    model = reference_model(seed=3)
+    url = f"file://{tmp_path}/ck"
+    save_state(url, {"model": model, "step": 4}, full=full)
+    assert (tmp_path / "ck").is_dir() != full  # the local atomic path: a real folder or file, no 'file:' folder
+    state = {"model": reference_model(seed=7), "step": 0}
+    load_state(url, state)
+    assert state["step"] == 4
+    torch.testing.assert_close(state["model"].state_dict(), model.state_dict(), atol=0, rtol=0)
+    if full:  # load_raw reads a raw state-dict file, or a model in a folder
+        import fsspec
+
+        with fsspec.open(f"{s3_bucket}/raw", "wb") as file:
+            torch.save(model.state_dict(), file)
+    else:
+        save_state(f"{s3_bucket}/raw", {"model": model}, full=False)
+    raw = reference_model(seed=7)
+    Checkpointer().load_raw(f"{s3_bucket}/raw", raw)  # what fabric.load(path, module) calls
+    torch.testing.assert_close(raw.state_dict(), model.state_dict(), atol=0, rtol=0)

@@ -263,3 +263,21 @@ def test_the_cli_converts_a_distributed_checkpoint_to_a_pretrained_folder(tmp_pa
     with pytest.raises(SystemExit):
         main(args[:5])
     assert "--to hf needs --config" in capsys.readouterr().err
+
+
+def test_exports_to_a_url_upload_what_from_pretrained_loads_config_last(tmp_path, s3_server):
+    """Both exports (offline from a checkpoint at a URL, and of a live model) to ``s3://``: downloaded, they load."""
+    url = s3_server.new_bucket()
+    folder = pretrained(tmp_path / "pretrained", tied=True)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.25)
+    save_state(f"{url}/ckpt", {"model": model}, full=False)
+    export_checkpoint(f"{url}/ckpt", f"{url}/offline", config=folder, max_shard_size="40KB", progress=False)
+    save_pretrained(model, f"{url}/live")
+    fs = s3_server.filesystem()
+    for name in ("offline", "live"):
+        fs.get(f"{url[5:]}/{name}/", str(tmp_path / name) + "/", recursive=True)
+        assert_same_model(AutoModelForCausalLM.from_pretrained(tmp_path / name), model)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export_checkpoint(f"{url}/ckpt", f"{url}/offline", config=folder)
