@@ -53,7 +53,7 @@ def remote_four(url: str) -> dict[str, Any]:
     out["cross"] = _load_all_then_save(root, 4, ["2x2", "4x1", "1x4"], save=False)
     names = {entry.name for entry in (root / "2x2").iterdir()}
     out["markers"] = [".modelpar-complete" in names, ".modelpar-writing" in names]
-    out.update(_full_and_swap(root), **case_async_snapshots(root), **_errors(root))
+    out.update(_full_and_swap(root), **case_async_snapshots(root), **_errors(root), **_async_upload_error(root))
     return out
 
 
@@ -107,6 +107,20 @@ def _errors(root: RemotePath) -> dict[str, Any]:
     return {"errors": True}
 
 
+def _async_upload_error(root: RemotePath) -> dict[str, Any]:
+    """One rank's background upload fails (its own, unreachable endpoint): every rank raises at the next wait."""
+    bad = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "config_kwargs": {"connect_timeout": 1}}
+    fabric = make_fabric(
+        2, 2, world_size=4, num_nodes=2, async_save=True, storage_options=bad if dist.get_rank() == 1 else None
+    )
+    model, opt = fresh(fabric)
+    fabric.save(root / "async-bad", {"model": model, "optimizer": opt})  # returns once staged; uploads go on
+    with pytest.raises(BaseException, match=r"127\.0\.0\.1:9"):  # DCP's CheckpointException is a BaseException
+        fabric.strategy._core.checkpointer.wait()
+    committed = (root / "async-bad" / ".modelpar-complete").exists() if dist.get_rank() == 0 else False
+    return {"async_error": not committed}
+
+
 @pytest.fixture(scope="module")
 def remote(s3_server: Any) -> dict[str, Any]:
     url = s3_server.new_bucket() + "/ckpt"
@@ -127,7 +141,7 @@ def test_checkpoints_at_a_url_reshard_between_all_layouts_in_both_formats(remote
     four = remote["four"][0]
     assert four["markers"] == [True, False]  # committed: the commit marker, and no writing marker left
     assert four["swap"] == [True, True]
-    assert four["async_dist"] and four["async_full"] and four["errors"]
+    assert four["async_dist"] and four["async_full"] and four["errors"] and four["async_error"]
 
 
 def test_a_url_checkpoint_loads_in_one_process_and_is_described_offline(remote):

@@ -107,7 +107,7 @@ def detect_shared(path: Location) -> CheckpointFormat:
         error: Exception | None = None
         try:
             view = detect(path).value
-        except (OSError, ValueError) as err:
+        except Exception as err:  # not only OSError: an object store's client raises its own errors
             error, view = err, type(err).__name__
         views = gather(view)
         if len({view for view, _ in views}) == 1:
