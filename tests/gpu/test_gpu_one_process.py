@@ -470,6 +470,35 @@ def case_trainer_checkpoints_both_formats() -> dict[str, Any]:
     return figures
 
 
+def case_signal_saves_a_final_checkpoint() -> dict[str, Any]:
+    """``RunCheckpoints(save_on_signal=True)``: the flag's all-reduce on the backend's device (``cuda`` under NCCL),
+    then a final save on every rank and ``SystemExit``; the run then resumes from that step."""
+    import os
+    import signal
+
+    from modelpar.checkpoint import RunCheckpoints
+    from modelpar.checkpoint._run import flag_device
+
+    fabric = _fabric()
+    model = _sharded(fabric, empty_init=True)
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with tempfile.TemporaryDirectory() as tmp:
+        run = RunCheckpoints(Path(tmp) / "run", every_n_steps=100, save_on_signal=True)
+        os.kill(os.getpid(), signal.SIGUSR1)  # as SLURM's --signal=USR1@120 does
+        try:
+            run.maybe_save(fabric, 3, {"model": model, "optimizer": opt, "step": 3})
+        except SystemExit as stopped:
+            message = str(stopped)
+        else:
+            raise AssertionError("maybe_save did not end the run after SIGUSR1")
+        found = run.latest()
+        assert found is not None and found[0] == 3, found
+        state = {"model": model, "optimizer": opt, "step": 0}
+        assert run.resume(fabric, state) == 3 and state["step"] == 3
+        run.close()
+    return {"flag_device": flag_device(fabric.strategy.process_group_backend), "message": message[:100]}
+
+
 CASES = {
     "mesh_access": case_mesh_access,
     "meta_init": case_meta_init_equals_one_process_build,
@@ -485,6 +514,7 @@ CASES = {
     "hf": case_hf_load_and_save_with_and_without_offload,
     "offload_trainer": case_offload_trainer,
     "trainer_checkpoints": case_trainer_checkpoints_both_formats,
+    "signal_save": case_signal_saves_a_final_checkpoint,
 }
 
 
@@ -553,3 +583,8 @@ def test_cpu_offload_trains_through_the_trainer_with_and_without_meta_init(resul
 
 def test_trainer_checkpoints_resume_exactly_in_both_formats_on_the_gpu(results: list[dict[str, Any]]) -> None:
     check(results, "trainer_checkpoints")
+
+
+def test_a_signal_saves_a_final_checkpoint_through_the_backends_device(results: list[dict[str, Any]]) -> None:
+    figures = check(results, "signal_save")
+    assert figures["flag_device"] == ("cuda" if on_cuda() else "cpu")
