@@ -82,12 +82,21 @@ class _Item:
 
 def _check_paths(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, want: CheckpointFormat, overwrite: bool
-) -> tuple[Path, Path]:
-    """Validate before any work: the source exists in the format this direction reads; dst may be written."""
-    src_path, dst_path = Path(src), Path(dst)
+) -> tuple[Location, Location]:
+    """Validate before any work: the source exists in the format this direction reads; dst may be written.
+
+    Either may be a URL. The conversions need random access to whole local files, so a URL source is then
+    downloaded to a temporary folder and a URL destination written locally and uploaded (:func:`_via_local`).
+    """
+    src_path, dst_path = to_location(src), to_location(dst)
     if detect(src_path) is not want:  # detect raises FileNotFoundError / ValueError naming the path
         raise ValueError(_WRONG_SOURCE[want].format(path=str(src_path)))
-    if dst_path.resolve() == src_path.resolve():
+    same = (
+        dst_path.resolve() == src_path.resolve()
+        if isinstance(src_path, Path) and isinstance(dst_path, Path)
+        else str(dst_path) == str(src_path)
+    )
+    if same:
         raise ValueError(
             f"The destination {str(dst_path)!r} is the source checkpoint itself. Write the conversion to another"
             " path, then replace the source if you want to."
@@ -104,6 +113,13 @@ def _check_paths(
                 " inside it, or a new path."
             )
     return src_path, dst_path
+
+
+@contextmanager
+def _via_local(src: Location, dst: Location) -> Iterator[tuple[Path, Path]]:
+    """Local stand-ins for a URL source (a download) and a URL destination (uploaded when the body succeeds)."""
+    with local_copy(src) as local_src, staged_upload(dst) as local_dst:
+        yield local_src, local_dst
 
 
 @contextmanager
@@ -273,27 +289,6 @@ def _out_dtype(meta: TensorStorageMetadata, kind: Kind, dtype: torch.dtype | Non
     return dtype
 
 
-def _remote_ends(src: Any, dst: Any, want: CheckpointFormat, overwrite: bool) -> tuple[Location, Location] | None:
-    """(source, destination) if either is a URL (after the checks :func:`_check_paths` makes), else ``None``.
-
-    The conversions need random access to whole local files: a URL source is downloaded to a temporary
-    folder first, and a URL destination written locally, then uploaded (a folder under the commit markers).
-    """
-    src_loc, dst_loc = to_location(src), to_location(dst)
-    if not isinstance(src_loc, RemotePath) and not isinstance(dst_loc, RemotePath):
-        return None
-    if detect(src_loc) is not want:
-        raise ValueError(_WRONG_SOURCE[want].format(path=str(src_loc)))
-    if str(src_loc) == str(dst_loc):
-        raise ValueError(f"The destination {str(dst_loc)!r} is the source checkpoint itself. Write to another path.")
-    if dst_loc.exists() and not overwrite:
-        raise FileExistsError(
-            f"The destination {str(dst_loc)!r} already exists. Pass `overwrite=True` (`--overwrite` on the"
-            " command line) to replace it, or choose another path."
-        )
-    return src_loc, dst_loc
-
-
 def convert_to_file(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -314,19 +309,19 @@ def convert_to_file(
     :func:`~modelpar.checkpoint.load_state`: pass ``False`` only for checkpoints you trust. ``src`` and
     ``dst`` may be URLs (``s3://`` ...): a URL source is downloaded to a temporary folder first.
     """
-    if ends := _remote_ends(src, dst, CheckpointFormat.DISTRIBUTED, overwrite):
-        with local_copy(ends[0]) as local_src, staged_upload(ends[1]) as local_dst:
+    src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.DISTRIBUTED, overwrite=overwrite)
+    if isinstance(src_path, RemotePath) or isinstance(dst_path, RemotePath):
+        with _via_local(src_path, dst_path) as (local_src, local_dst):
             convert_to_file(
                 local_src,
                 local_dst,
                 model_only=model_only,
                 dtype=dtype,
-                overwrite=overwrite,
+                overwrite=True,  # checked above
                 progress=progress,
                 weights_only=weights_only,
             )
         return
-    src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.DISTRIBUTED, overwrite=overwrite)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(
             f"`dtype={dtype!r}` is not a floating-point torch dtype. Pass e.g. `torch.bfloat16`, or `None` to keep"
@@ -424,13 +419,11 @@ def convert_to_distributed(
     a distributed save writes, so :func:`modelpar.checkpoint.load_state` restores it on any mesh. The file is
     memory-mapped, not read into memory. ``src`` and ``dst`` may be URLs, as in :func:`convert_to_file`.
     """
-    if ends := _remote_ends(src, dst, CheckpointFormat.FULL, overwrite):
-        with local_copy(ends[0]) as local_src, staged_upload(ends[1]) as local_dst:
-            convert_to_distributed(
-                local_src, local_dst, overwrite=overwrite, progress=progress, weights_only=weights_only
-            )
-        return
     src_path, dst_path = _check_paths(src, dst, want=CheckpointFormat.FULL, overwrite=overwrite)
+    if isinstance(src_path, RemotePath) or isinstance(dst_path, RemotePath):
+        with _via_local(src_path, dst_path) as (local_src, local_dst):
+            convert_to_distributed(local_src, local_dst, overwrite=True, progress=progress, weights_only=weights_only)
+        return
     checkpoint = read_full_checkpoint(src_path, weights_only)
     state = {key: value for key, value in checkpoint.items() if is_state_entry(value)}
     if not state:

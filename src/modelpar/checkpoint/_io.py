@@ -88,7 +88,7 @@ def _detect_remote(path: RemotePath) -> CheckpointFormat:
                 f" {WRITING_MARKER!r} but no {COMMIT_MARKER!r}), so it is treated as absent. Load an earlier"
                 " checkpoint; the next save to this URL replaces it."
             )
-        if state == "complete" or (path / DCP_METADATA).is_file():
+        if state in ("complete", "foreign"):
             return CheckpointFormat.DISTRIBUTED
         raise ValueError(
             f"{str(path)!r} is not a distributed checkpoint: it has no {DCP_METADATA!r} object. Point to a"

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from modelpar.checkpoint._format import COMMIT_MARKER, WRITING_MARKER
+from modelpar.checkpoint._format import COMMIT_MARKER, DCP_METADATA, WRITING_MARKER
 
 __all__ = [
     "COMMIT_MARKER",
@@ -102,10 +102,6 @@ class RemotePath:
     def name(self) -> str:
         return self.url.rsplit("/", 1)[-1]
 
-    @property
-    def parent(self) -> RemotePath:
-        return RemotePath(self.url.rsplit("/", 1)[0], self.fs, self.storage_options)
-
     def _info(self) -> dict[str, Any] | None:
         self.fs.invalidate_cache(self.fs_path)
         try:
@@ -134,10 +130,6 @@ class RemotePath:
         except FileNotFoundError:
             return []
         return [self / str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
-
-    def glob(self, pattern: str) -> list[RemotePath]:
-        suffix = pattern.lstrip("*")
-        return [entry for entry in self.iterdir() if entry.name.endswith(suffix)]
 
     def read_bytes(self) -> bytes:
         return bytes(self.fs.cat_file(self.fs_path))
@@ -242,24 +234,22 @@ def commit_prefix(target: RemotePath, token: str) -> None:
 def withdraw(target: RemotePath) -> None:
     """Delete the checkpoint at ``target`` so that no reader ever takes what is left of it for complete."""
     if target.is_dir():
-        (target / WRITING_MARKER).write_bytes(_marker("withdrawn"))
-        (target / COMMIT_MARKER).remove()
-        for entry in target.iterdir():
-            if entry.name != WRITING_MARKER:
-                entry.remove()
+        prepare_prefix(target, "withdrawn")  # the order of a new save: from now on it reads as interrupted
     target.remove()
     if target.exists():  # servers with real folders (SeaweedFS) keep the emptied folder, listed as an entry, once
         target.remove()
 
 
 def prefix_state(target: RemotePath) -> str:
-    """``"complete"``, ``"partial"`` (a save under way or interrupted) or ``"foreign"`` (no marker) for a prefix."""
+    """What the prefix ``target`` holds, by the rule in this module's docstring: ``"complete"`` (the commit
+    marker), ``"partial"`` (the writing marker alone: a save under way or interrupted), ``"foreign"`` (no marker,
+    but DCP's ``.metadata``: complete, written by another tool) or ``"none"`` (not a checkpoint)."""
     names = {entry.name for entry in target.iterdir()}
     if COMMIT_MARKER in names:
         return "complete"
     if WRITING_MARKER in names:
         return "partial"
-    return "foreign"
+    return "foreign" if DCP_METADATA in names else "none"
 
 
 def upload_file(target: RemotePath, write: Any) -> None:
@@ -268,10 +258,7 @@ def upload_file(target: RemotePath, write: Any) -> None:
     On an error the upload is discarded (a multipart upload aborted), not completed: fsspec's context manager
     would complete it, publishing a truncated object in place of the previous one.
     """
-    if target.is_dir():  # a distributed checkpoint at the same URL: replaced by the file once it is complete
-        stale: RemotePath | None = target
-    else:
-        stale = None
+    stale = target.is_dir()  # a distributed checkpoint at the same URL: replaced by the file once it is complete
     file: BinaryIO = target.fs.open(target.fs_path, "wb")
     try:
         write(file)
@@ -283,8 +270,8 @@ def upload_file(target: RemotePath, write: Any) -> None:
             file.closed = True  # type: ignore[misc]  # or closing it (on collection) would complete the upload
         raise
     file.close()
-    if stale is not None:
-        for entry in stale.iterdir():
+    if stale:
+        for entry in target.iterdir():
             entry.remove()
 
 

@@ -39,8 +39,8 @@ from lightning_fabric.utilities import rank_zero_warn
 
 from modelpar.checkpoint._agree import run_agreed
 from modelpar.checkpoint._checkpointer import Checkpointer
-from modelpar.checkpoint._format import COMMIT_MARKER, DCP_METADATA, WRITING_MARKER
-from modelpar.checkpoint._remote import Location, RemotePath, to_location, withdraw
+from modelpar.checkpoint._format import DCP_METADATA
+from modelpar.checkpoint._remote import Location, RemotePath, prefix_state, to_location, withdraw
 
 __all__ = ["RunCheckpoints", "checkpoint_name", "flag_device", "parse_step", "to_delete"]
 
@@ -213,12 +213,10 @@ class RunCheckpoints:
         why = ""
         if isinstance(location, RemotePath):
             if entry.state == "folder":
-                names = {child.name for child in location.iterdir()} - {location.name}  # see ``withdraw``
-                if COMMIT_MARKER in names:
-                    pass
-                elif WRITING_MARKER in names:
+                state = prefix_state(location)
+                if state == "partial":
                     why = "a save to it was interrupted (it has the writing marker but no commit marker)"
-                elif DCP_METADATA not in names:  # a checkpoint of another tool is complete once it has .metadata
+                elif state == "none":
                     why = f"it holds neither a commit marker nor {DCP_METADATA!r}"
         elif entry.state == "file":
             why = "" if location.stat().st_size > 0 else "the file is empty"
