@@ -26,13 +26,17 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "CONTEXT_PARALLEL_AXIS",
     "HSDP_MESH_AXES",
     "MESH_AXES",
+    "TOKEN_AXIS",
     "MeshLayout",
     "SizeArg",
     "check_size_arg",
+    "context_parallel_mesh",
     "fsdp_mesh",
     "group_timeout",
+    "token_mesh",
     "world_group_reusable",
 ]
 
@@ -42,6 +46,14 @@ MESH_AXES = ("data_parallel", "tensor_parallel")
 
 #: Axis names of the 3-D (HSDP) mesh, outermost first; ``"data_parallel"`` is their first two, flattened.
 HSDP_MESH_AXES = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
+
+#: The context-parallel axis (``context_parallel_size > 1``): the ranks that hold one sample's sequence in shards.
+#: It sits inside data parallelism and outside tensor parallelism, as in torchtitan.
+CONTEXT_PARALLEL_AXIS = "context_parallel"
+
+#: The flattened axis of every rank that sees distinct tokens (data parallel, replicas included, x context
+#: parallel), present when ``context_parallel_size > 1``: token counts and losses are reduced over it.
+TOKEN_AXIS = "data_parallel_context_parallel"
 
 SizeArg = Literal["auto"] | int
 
@@ -310,4 +322,20 @@ def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
             f"The mesh has axes {list(names)}, but a strategy mesh has {list(MESH_AXES)} or {list(HSDP_MESH_AXES)}."
             " Pass the `device_mesh` the strategy gave `parallelize_fn` (or `self.device_mesh` in `configure_model`)."
         )
+    return device_mesh[MESH_AXES[0]]
+
+
+def context_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D ``"context_parallel"`` axis of a strategy mesh, or ``None`` when the mesh has none (``cp = 1``)."""
+    names = device_mesh.mesh_dim_names or ()
+    return device_mesh[CONTEXT_PARALLEL_AXIS] if CONTEXT_PARALLEL_AXIS in names else None
+
+
+def token_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of every rank that sees distinct tokens: ``"data_parallel_context_parallel"`` under context
+    parallelism, ``"data_parallel"`` otherwise (tensor-parallel peers see the same tokens and are left out).
+    """
+    names = device_mesh.mesh_dim_names or ()
+    if CONTEXT_PARALLEL_AXIS in names:
+        return device_mesh[TOKEN_AXIS]
     return device_mesh[MESH_AXES[0]]
