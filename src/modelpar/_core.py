@@ -25,7 +25,17 @@ from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process
 from modelpar._fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._materialize import has_meta_tensors
-from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, SizeArg, check_size_arg
+from modelpar._mesh import (
+    CONTEXT_PARALLEL_AXIS,
+    HSDP_MESH_AXES,
+    MESH_AXES,
+    SHARD_CONTEXT_AXIS,
+    TOKEN_AXIS,
+    MeshLayout,
+    SizeArg,
+    check_context_parallel_size,
+    check_size_arg,
+)
 from modelpar._placement import materialize, move_to_device, offloads
 from modelpar._watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout, watch_peers
 from modelpar.checkpoint import Checkpointer
@@ -65,6 +75,7 @@ class ParallelCore:
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
+        context_parallel_size: int = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
@@ -75,6 +86,7 @@ class ParallelCore:
         check_size_arg("data_parallel_size", data_parallel_size)
         check_size_arg("tensor_parallel_size", tensor_parallel_size)
         check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
+        check_context_parallel_size(context_parallel_size)
         _check_fsdp_args(mixed_precision, cpu_offload, reshard_after_forward)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(
@@ -88,6 +100,7 @@ class ParallelCore:
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.context_parallel_size = context_parallel_size
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
@@ -154,6 +167,7 @@ class ParallelCore:
             devices_per_node=devices_per_node,
             per_node_known=self.per_node_known,
             data_parallel_replicate_size=self.data_parallel_replicate_size,
+            context_parallel_size=self.context_parallel_size,
         )
         self.fsdp_options = FSDPOptions.resolve(
             mixed_precision=self.mixed_precision,
@@ -161,7 +175,7 @@ class ParallelCore:
             reshard_after_forward=self.reshard_after_forward,
             precision=precision,
             device=root_device,
-            shard_size=layout.data_parallel_shard_size,
+            shard_size=layout.fsdp_shard_size,
             strategy_name=self.strategy_name,
         )
         backend = self.process_group_backend or default_backend(root_device)
@@ -198,9 +212,14 @@ class ParallelCore:
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     def axis_names(self) -> list[str]:
-        """Every axis a group can be named by: the mesh's own, plus the flattened ``"data_parallel"`` under HSDP."""
+        """Every axis a group can be named by: the mesh's own, plus the flattened ones (HSDP, context parallel)."""
         names = list(self.device_mesh.mesh_dim_names or ())
-        return [*names, MESH_AXES[0]] if MESH_AXES[0] not in names else names
+        flattened = [MESH_AXES[0]] if MESH_AXES[0] not in names else []
+        if CONTEXT_PARALLEL_AXIS in names:
+            flattened.append(TOKEN_AXIS)
+            if HSDP_MESH_AXES[0] in names:
+                flattened.append(SHARD_CONTEXT_AXIS)
+        return [*names, *flattened]
 
     def resolve_group(self, group: Any) -> Any:
         """Accept a mesh axis name (``"data_parallel"``, ``"tensor_parallel"``, ...) wherever a group is expected."""
@@ -293,6 +312,17 @@ class ParallelCore:
                     " `fully_shard(module, **modelpar.fsdp_kwargs(device_mesh))` (or"
                     " `mesh=modelpar.fsdp_mesh(device_mesh)`), which passes the 2-D (replicate, shard) mesh."
                 )
+        if layout is not None and layout.context_parallel_size > 1:
+            missed = sorted({n for n, p in module.named_parameters() if _fsdp_without_context_axis(p)})
+            if missed:
+                shown = ", ".join(missed[:5]) + (" ..." if len(missed) > 5 else "")
+                raise ValueError(
+                    f"Context parallelism was asked for (`context_parallel_size={layout.context_parallel_size}`), but"
+                    f" {len(missed)} parameter(s) were sharded by FSDP over the data-parallel ranks only: {shown}. The"
+                    " context-parallel ranks see different tokens of the same samples, so their gradients would"
+                    " never be averaged. Call `fully_shard(module, **modelpar.fsdp_kwargs(device_mesh))` (or"
+                    " `mesh=modelpar.fsdp_mesh(device_mesh)`), which shards over data x context parallel."
+                )
         if options.explicit and sharded and not given:
             raise ValueError(
                 f"The strategy was given {', '.join(f'`{n}`' for n in options.explicit)}, but `parallelize_fn` called"
@@ -358,7 +388,14 @@ def _check_fsdp_args(mixed_precision: Any, cpu_offload: Any, reshard_after_forwa
 def _fsdp_on_flattened_axis(param: torch.Tensor) -> bool:
     """A parameter FSDP sharded over the flattened ``"data_parallel"`` axis of an HSDP mesh (plain FSDP, not HSDP)."""
     names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
-    return MESH_AXES[0] in names and HSDP_MESH_AXES[0] not in names
+    return bool({MESH_AXES[0], TOKEN_AXIS} & set(names)) and HSDP_MESH_AXES[0] not in names
+
+
+def _fsdp_without_context_axis(param: torch.Tensor) -> bool:
+    """A parameter FSDP sharded on a data-parallel axis that leaves out the context-parallel ranks."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    data_axes = {MESH_AXES[0], *HSDP_MESH_AXES[:2]}
+    return bool(data_axes & set(names)) and not ({TOKEN_AXIS, SHARD_CONTEXT_AXIS, CONTEXT_PARALLEL_AXIS} & set(names))
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]:

@@ -11,6 +11,14 @@ the gradient all-reduce, once per step and on shards, crosses nodes) and the mes
 ``("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")``, replicate outermost. Its two
 data-parallel axes are also flattened into a ``"data_parallel"`` axis, so samplers, ``sync_dist`` and user
 code that reduce over the whole data-parallel group work unchanged on both shapes.
+
+Context parallelism (``context_parallel_size > 1``) adds a ``"context_parallel"`` axis between the data-parallel
+axes and ``"tensor_parallel"`` (torchtitan's order: tensor-parallel peers stay neighbours, the sequence shards of
+one sample are next out). The ranks of one context-parallel group hold the same weights and different tokens, so
+FSDP shards over data parallel x context parallel: a flattened ``"data_parallel_context_parallel"`` axis (every
+rank with distinct tokens, replicas included; losses and token counts reduce over it), and under HSDP a flattened
+``"data_parallel_shard_context_parallel"`` axis that is the shard dimension of FSDP's 2-D mesh. ``data_parallel_size``
+keeps its meaning: the number of distinct sample streams (what the sampler splits by).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ __all__ = [
     "TOKEN_AXIS",
     "MeshLayout",
     "SizeArg",
+    "SHARD_CONTEXT_AXIS",
+    "check_context_parallel_size",
     "check_size_arg",
     "context_parallel_mesh",
     "fsdp_mesh",
@@ -54,6 +64,9 @@ CONTEXT_PARALLEL_AXIS = "context_parallel"
 #: The flattened axis of every rank that sees distinct tokens (data parallel, replicas included, x context
 #: parallel), present when ``context_parallel_size > 1``: token counts and losses are reduced over it.
 TOKEN_AXIS = "data_parallel_context_parallel"
+
+#: Under HSDP with context parallelism: the flattened shard dimension of FSDP's 2-D (replicate, shard) mesh.
+SHARD_CONTEXT_AXIS = "data_parallel_shard_context_parallel"
 
 SizeArg = Literal["auto"] | int
 
@@ -79,21 +92,32 @@ def check_size_arg(name: str, value: object) -> None:
         )
 
 
+def check_context_parallel_size(value: object) -> int:
+    """Reject anything but a positive int: the sequence split has no sensible ``"auto"`` (it depends on the length)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshSizeError(
+            f"`context_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
+            " that split each sequence (1 turns context parallelism off)."
+        )
+    return value
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """A resolved layout: ``data_parallel x tensor_parallel`` ranks, the data-parallel ones in replicas.
+    """A resolved layout: ``data_parallel x context_parallel x tensor_parallel`` ranks, data parallel in replicas.
 
     ``data_parallel_size`` is the whole data-parallel size (replicas x shards), as without replication, so
-    code that reads it keeps its meaning. The product with ``tensor_parallel_size`` is the world size.
+    code that reads it keeps its meaning. The product of the three sizes is the world size.
     """
 
     data_parallel_size: int
     tensor_parallel_size: int
     data_parallel_replicate_size: int = 1
+    context_parallel_size: int = 1
 
     @classmethod
     def resolve(
@@ -106,6 +130,7 @@ class MeshLayout:
         devices_per_node: int,
         per_node_known: bool = True,
         data_parallel_replicate_size: SizeArg = 1,
+        context_parallel_size: int = 1,
     ) -> MeshLayout:
         """Turn user sizes (ints or ``"auto"``) into concrete ones, or raise a :class:`MeshSizeError` that says why.
 
@@ -121,22 +146,40 @@ class MeshLayout:
         (``num_nodes`` replicas) when tensor parallelism is off and there is more than one node, and is 1
         (plain FSDP) otherwise: with TP inside a node, a shard group per node would hold one rank, so nothing
         would be sharded at all. Unknown processes per node also give 1.
+        ``context_parallel_size`` (an int) takes its ranks first: the data-parallel and tensor-parallel sizes are
+        resolved as above over ``world_size / cp`` ranks and ``devices_per_node / cp`` devices per node.
         The error is a ``ValueError`` and, like Lightning's for sizes whose product is not the world size,
         a ``RuntimeError``.
         """
         check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
+        cp = check_context_parallel_size(context_parallel_size)
+        if world_size % cp:
+            raise MeshSizeError(
+                f"`context_parallel_size={cp}` must divide the world size ({world_size}), but it does not. Choose it"
+                f" among {_divisors(world_size)}."
+            )
+        if data_parallel_size == "auto" and tensor_parallel_size == "auto" and cp > 1 and devices_per_node % cp:
+            raise MeshSizeError(
+                f'`data_parallel_size="auto"` and `tensor_parallel_size="auto"` put tensor parallelism within a node,'
+                f" but `context_parallel_size={cp}` does not divide the {devices_per_node} devices per node. Pass"
+                " explicit sizes, or a context-parallel size among"
+                f" {[d for d in _divisors(devices_per_node) if world_size % d == 0]}."
+            )
         dp, tp = cls._resolve_2d(
             data_parallel_size,
             tensor_parallel_size,
-            world_size=world_size,
+            world_size=world_size // cp,
             num_nodes=num_nodes,
-            devices_per_node=devices_per_node,
+            devices_per_node=max(devices_per_node // cp, 1),
             per_node_known=per_node_known,
+            context_parallel_size=cp,
         )
         replicate = data_parallel_replicate_size
         if replicate == "auto":
-            auto_hsdp = tp == 1 and num_nodes > 1 and per_node_known and num_nodes * devices_per_node == world_size
-            return cls(dp, tp, num_nodes if auto_hsdp else 1)
+            auto_hsdp = (
+                tp == 1 and cp == 1 and num_nodes > 1 and per_node_known and num_nodes * devices_per_node == world_size
+            )
+            return cls(dp, tp, num_nodes if auto_hsdp else 1, cp)
         assert isinstance(replicate, int)  # narrowed by check_size_arg; not user-facing
         if dp % replicate:
             raise MeshSizeError(
@@ -144,7 +187,7 @@ class MeshLayout:
                 f" x the ranks that shard each replica), but it does not. Choose it among {_divisors(dp)}, or"
                 " change `data_parallel_size`."
             )
-        return cls(dp, tp, replicate)
+        return cls(dp, tp, replicate, cp)
 
     @staticmethod
     def _resolve_2d(
@@ -155,6 +198,7 @@ class MeshLayout:
         num_nodes: int,
         devices_per_node: int,
         per_node_known: bool,
+        context_parallel_size: int = 1,
     ) -> tuple[int, int]:
         check_size_arg("data_parallel_size", data_parallel_size)
         check_size_arg("tensor_parallel_size", tensor_parallel_size)
@@ -189,6 +233,13 @@ class MeshLayout:
             return (other, given) if dp == "auto" else (given, other)
         assert isinstance(dp, int) and isinstance(tp, int)
         if dp * tp != world_size:
+            cp = context_parallel_size
+            if cp > 1:
+                raise MeshSizeError(
+                    f"`data_parallel_size={dp}` x `context_parallel_size={cp}` x `tensor_parallel_size={tp}` ="
+                    f" {dp * cp * tp}, but the world size is {world_size * cp}. Choose sizes whose product is"
+                    f' {world_size * cp}, or pass "auto" for the data- or tensor-parallel size.'
+                )
             raise MeshSizeError(
                 f"`data_parallel_size={dp}` x `tensor_parallel_size={tp}` = {dp * tp}, but the world size is"
                 f' {world_size}. Choose sizes whose product is {world_size}, or pass "auto" for one of them.'
@@ -206,14 +257,29 @@ class MeshLayout:
         return self.data_parallel_size // self.data_parallel_replicate_size
 
     @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks FSDP shards each parameter over: one replica's shards x the context-parallel ranks."""
+        return self.data_parallel_shard_size * self.context_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.context_parallel_size * self.tensor_parallel_size
+
+    @property
     def axes(self) -> tuple[str, ...]:
-        return HSDP_MESH_AXES if self.hsdp else MESH_AXES
+        axes = HSDP_MESH_AXES if self.hsdp else MESH_AXES
+        if self.context_parallel_size > 1:
+            return (*axes[:-1], CONTEXT_PARALLEL_AXIS, axes[-1])
+        return axes
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.hsdp:
-            return (self.data_parallel_replicate_size, self.data_parallel_shard_size, self.tensor_parallel_size)
-        return (self.data_parallel_size, self.tensor_parallel_size)
+            data: tuple[int, ...] = (self.data_parallel_replicate_size, self.data_parallel_shard_size)
+        else:
+            data = (self.data_parallel_size,)
+        cp = (self.context_parallel_size,) if self.context_parallel_size > 1 else ()
+        return (*data, *cp, self.tensor_parallel_size)
 
     def build(self, device_type: str, backend: str, timeout: timedelta) -> DeviceMesh:
         """Create the named ``DeviceMesh`` (and, for HSDP, its flattened ``"data_parallel"`` axis).
@@ -247,9 +313,17 @@ class MeshLayout:
         overrides = {name: override(size) for name, size in zip(self.axes, self.shape, strict=True)}
         by_axis: dict[int | str, Any] = {name: value for name, value in overrides.items() if value is not None}
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=by_axis or None)
+        # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
         if self.hsdp:
-            # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
             mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=override(self.data_parallel_size))
+        if self.context_parallel_size > 1:
+            data_axes = HSDP_MESH_AXES[:2] if self.hsdp else MESH_AXES[:1]
+            tokens = self.data_parallel_size * self.context_parallel_size
+            mesh[tuple([*data_axes, CONTEXT_PARALLEL_AXIS])]._flatten(TOKEN_AXIS, backend_override=override(tokens))
+            if self.hsdp:
+                mesh[(HSDP_MESH_AXES[1], CONTEXT_PARALLEL_AXIS)]._flatten(
+                    SHARD_CONTEXT_AXIS, backend_override=override(self.fsdp_shard_size)
+                )
         return mesh
 
 
@@ -313,8 +387,15 @@ def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
 
     FSDP2 does HSDP when given a 2-D mesh and plain FSDP when given a 1-D one, so passing the flattened
     ``"data_parallel"`` axis of an HSDP mesh would silently shard over every data-parallel rank instead.
+    With context parallelism the shard dimension takes in the context-parallel ranks (the flattened
+    ``"data_parallel_context_parallel"`` axis, or ``"data_parallel_shard_context_parallel"`` under HSDP): they
+    hold the same weights and see different tokens, so their gradients must be averaged too.
     """
     names = device_mesh.mesh_dim_names or ()
+    if CONTEXT_PARALLEL_AXIS in names:
+        if HSDP_MESH_AXES[0] in names:
+            return device_mesh[(HSDP_MESH_AXES[0], SHARD_CONTEXT_AXIS)]
+        return device_mesh[TOKEN_AXIS]
     if HSDP_MESH_AXES[0] in names:
         return device_mesh[HSDP_MESH_AXES[:2]]
     if MESH_AXES[0] not in names:

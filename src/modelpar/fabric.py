@@ -96,6 +96,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             model over the rest (HSDP; the mesh becomes ``("data_parallel_replicate", "data_parallel_shard",
             "tensor_parallel")``). ``data_parallel_size`` stays the whole data-parallel size. ``"auto"``: one
             replica per node when ``tensor_parallel_size`` is 1 on several nodes, else 1.
+        context_parallel_size: split every sequence over this many ranks (context parallelism, see
+            docs/long-context.md); the mesh gains a ``"context_parallel"`` axis inside data parallelism and outside
+            tensor parallelism, and FSDP shards over data x context parallel. ``data_parallel_size`` stays the
+            number of distinct sample streams; the world size is data x context x tensor parallel.
         mixed_precision: FSDP2 ``MixedPrecisionPolicy``; ``None`` derives it from the precision flag
             (``"bf16-mixed"``: bf16 parameters and compute, fp32 gradient reduction, and no autocast).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (``True`` or a
@@ -132,6 +136,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
+        context_parallel_size: int = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
@@ -155,6 +160,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             async_save=async_save,
             storage_options=storage_options,
             data_parallel_replicate_size=data_parallel_replicate_size,
+            context_parallel_size=context_parallel_size,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,

@@ -75,9 +75,11 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             later runs (``validate`` after ``fit``, a second ``fit``) use the module as it is.
         async_save: checkpoints return once staged in CPU memory and are written in the background.
         storage_options: fsspec options for checkpoints at URLs (``s3://`` ...), for every save and load.
-        data_parallel_replicate_size, mixed_precision, cpu_offload, reshard_after_forward, gradient_accumulation:
-            HSDP and the FSDP2 options, as for the Fabric strategy. ``configure_model`` (or ``parallelize_fn``)
-            passes them on with ``fully_shard(module, **modelpar.fsdp_kwargs(self.device_mesh))``;
+        data_parallel_replicate_size, context_parallel_size, mixed_precision, cpu_offload, reshard_after_forward,
+        gradient_accumulation:
+            HSDP, context parallelism and the FSDP2 options, as for the Fabric strategy. ``configure_model``
+            (or ``parallelize_fn``) passes them on with
+            ``fully_shard(module, **modelpar.fsdp_kwargs(self.device_mesh))``;
             ``gradient_accumulation`` decides what ``accumulate_grad_batches`` skips.
         peer_timeout: seconds until a dead or frozen rank ends the others with a clear error; as for the Fabric
             strategy (default 30, ``None``: off).
@@ -97,6 +99,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
+        context_parallel_size: int = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
@@ -115,6 +118,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             async_save=async_save,
             storage_options=storage_options,
             data_parallel_replicate_size=data_parallel_replicate_size,
+            context_parallel_size=context_parallel_size,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,

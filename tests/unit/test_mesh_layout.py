@@ -133,3 +133,76 @@ def test_an_axis_over_all_ranks_reuses_the_default_group_only_when_it_communicat
         cuda_available=cuda,
     )
     assert got is reusable
+
+
+def resolve_cp(dp, tp, cp, world=8, nodes=1, per_node=8, replicate=1):
+    return MeshLayout.resolve(
+        dp,
+        tp,
+        world_size=world,
+        num_nodes=nodes,
+        devices_per_node=per_node,
+        data_parallel_replicate_size=replicate,
+        context_parallel_size=cp,
+    )
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "cp", "replicate", "nodes", "per_node", "axes", "shape"),
+    [
+        (2, 2, 2, 1, 1, 8, ("data_parallel", "context_parallel", "tensor_parallel"), (2, 2, 2)),
+        ("auto", 2, 2, 1, 1, 8, ("data_parallel", "context_parallel", "tensor_parallel"), (2, 2, 2)),
+        (2, "auto", 4, 1, 1, 8, ("data_parallel", "context_parallel", "tensor_parallel"), (2, 4, 1)),
+        ("auto", "auto", 2, 1, 2, 4, ("data_parallel", "context_parallel", "tensor_parallel"), (2, 2, 2)),
+        (
+            4,
+            1,
+            2,
+            2,
+            1,
+            8,
+            ("data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel"),
+            (2, 2, 2, 1),
+        ),
+        (8, 1, 1, 1, 1, 8, ("data_parallel", "tensor_parallel"), (8, 1)),  # cp=1: Lightning's 2-D mesh
+    ],
+)
+def test_context_parallelism_adds_its_axis_inside_data_and_outside_tensor_parallel(
+    dp, tp, cp, replicate, nodes, per_node, axes, shape
+):
+    layout = resolve_cp(dp, tp, cp, nodes=nodes, per_node=per_node, replicate=replicate)
+    assert (layout.axes, layout.shape) == (axes, shape)
+    assert layout.world_size == 8
+    # FSDP shards over one replica's data-parallel ranks x the context-parallel ranks
+    assert layout.fsdp_shard_size == layout.data_parallel_shard_size * cp
+
+
+def test_context_parallel_sizes_that_cannot_fit_name_the_values_and_the_fix():
+    with pytest.raises(
+        MeshSizeError, match=r"`context_parallel_size=3` must divide the world size \(8\).*\[1, 2, 4, 8\]"
+    ):
+        resolve_cp("auto", 1, 3)
+    with pytest.raises(
+        MeshSizeError,
+        match=r"`data_parallel_size=2` x `context_parallel_size=2` x `tensor_parallel_size=1`"
+        r" = 4, but the world size is 8",
+    ):
+        resolve_cp(2, 1, 2)
+    with pytest.raises(MeshSizeError, match=r"`context_parallel_size=4` does not divide the 2 devices per node"):
+        resolve_cp("auto", "auto", 4, nodes=4, per_node=2)
+    for bad in (0, "auto", 1.5, True):
+        with pytest.raises(MeshSizeError, match=r"is not a valid size. Pass a positive integer: the number of ranks"):
+            resolve_cp(1, 1, bad)
+    assert issubclass(MeshSizeError, ValueError) and issubclass(MeshSizeError, RuntimeError)
+
+
+def test_the_strategies_validate_context_parallel_size_at_construction():
+    from modelpar import ModelParallelStrategy
+    from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
+
+    for make in (
+        lambda: ModelParallelStrategy(lambda m, d: m, context_parallel_size=0),
+        lambda: TrainerStrategy(context_parallel_size="2"),
+    ):
+        with pytest.raises(MeshSizeError, match="context_parallel_size"):
+            make()

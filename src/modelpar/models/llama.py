@@ -8,13 +8,14 @@ shard by shard. Attention reshapes with ``-1`` heads, so it runs unchanged on te
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaConfig", "causal_attention"]
 
 
 @dataclass(frozen=True)
@@ -70,34 +71,53 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position."""
-        seq = x.shape[1]
-        cos, sin = self.cos[:seq, None, :], self.sin[:seq, None, :]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position: ``0 .. seq-1``, or ``positions``.
+
+        ``positions`` (``(seq,)`` or ``(batch, seq)``, global token indices) is what a sequence shard needs: under
+        context parallelism a rank holds tokens from two places of the sequence, not the first ``seq``.
+        """
+        if positions is None:
+            cos, sin = self.cos[: x.shape[1], None, :], self.sin[: x.shape[1], None, :]
+        else:
+            cos, sin = self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
         x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return rotated.type_as(x)
 
 
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA on ``(batch, heads, seq, head_dim)``; ``key``/``value`` may have fewer (grouped) heads."""
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+
 class Attention(nn.Module):
+    """Grouped-query attention whose kernel is an attribute, so context parallelism can replace it.
+
+    ``attention_kernel(query, key, value)`` takes ``(batch, heads, seq, head_dim)`` tensors with the key/value
+    heads not yet repeated (a kernel that gathers them across ranks moves the small grouped tensors) and
+    returns the output in the query's layout. A plain attribute, not a submodule: names and checkpoints do not
+    change when ``modelpar.plans`` swaps in ``modelpar.context.ContextParallelAttention``.
+    """
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        self.attention_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None) -> torch.Tensor:
         bs, seq, _ = x.shape
         # -1 heads: with tensor parallelism each rank holds n_heads / tp of them.
-        q = rope(self.wq(x).view(bs, seq, -1, self.head_dim))
-        k = rope(self.wk(x).view(bs, seq, -1, self.head_dim))
+        q = rope(self.wq(x).view(bs, seq, -1, self.head_dim), positions)
+        k = rope(self.wk(x).view(bs, seq, -1, self.head_dim), positions)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self.attention_kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -120,8 +140,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -140,9 +160,13 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, seq, vocab) for ``tokens`` of shape (batch, seq)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of shape (batch, seq, vocab) for ``tokens`` of shape (batch, seq).
+
+        ``positions``: the tokens' indices in their sequence (``(seq,)`` or ``(batch, seq)``), for a sequence
+        shard under context parallelism (``modelpar.context.shard_batch`` makes them); ``0 .. seq-1`` if left out.
+        """
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, positions)
         return self.output(self.norm(h))
