@@ -272,6 +272,7 @@ class ParallelCore:
                 )
             module = result  # type: ignore[assignment]
         offloading = self._check_fsdp_applied(module)
+        self._check_context_parallel_applied(module)
         offload = offloads(
             offloading, root_device=root_device, has_meta=has_meta_tensors(module), strategy_name=self.strategy_name
         )
@@ -341,6 +342,28 @@ class ParallelCore:
                 " `**modelpar.fsdp_kwargs(device_mesh)` to `fully_shard` for FSDP2's bf16 policy instead."
             )
         return [isinstance(o.offload_policy, CPUOffloadPolicy) for o in given]
+
+    def _check_context_parallel_applied(self, module: nn.Module) -> None:
+        """Under context parallelism, some attention must run across the sequence shards, or results are wrong.
+
+        Each rank holds a shard of every sequence; an attention left as it was would attend within the shard
+        only, train without an error and learn the wrong thing. A ``modelpar.plans`` plan swaps the kernel in;
+        a hand-written ``parallelize_fn`` must do it too (``modelpar.context.ContextParallelAttention``).
+        """
+        layout = self.layout
+        if layout is None or layout.context_parallel_size == 1:
+            return
+        from modelpar.context import ContextParallelAttention
+
+        if not any(isinstance(v, ContextParallelAttention) for m in module.modules() for v in vars(m).values()):
+            raise ValueError(
+                f"Context parallelism was asked for (`context_parallel_size={layout.context_parallel_size}`), but no"
+                " attention of the model runs across the sequence shards after `parallelize_fn`: each rank would"
+                " attend within its own shard only. Use a `modelpar.plans` plan (LLAMA_PLAN, `modelpar.hf.plan_for`),"
+                " which replaces the kernel, or in your `parallelize_fn` set each attention module's kernel to"
+                " `modelpar.context.ContextParallelAttention(device_mesh)` (Hugging Face models:"
+                " `modelpar.context.use_context_parallel_attention(model, device_mesh)`)."
+            )
 
     def _warn_if_unsharded(self, module: nn.Module) -> None:
         if self.device_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):

@@ -18,8 +18,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from modelpar._fsdp import fsdp_kwargs
+from modelpar._mesh import context_parallel_mesh
 from modelpar.plans._checkpointing import checkpoint_module
 from modelpar.plans._checks import check_divisible, check_layers_sharded, resolve_styles, resolve_units
+from modelpar.plans._context import apply_context_parallel, attention_modules, is_hugging_face
 from modelpar.plans._styles import STYLES, StyleSpec, apply_style
 
 __all__ = ["ActivationCheckpointing", "ParallelPlan"]
@@ -86,6 +88,10 @@ class ParallelPlan:
         loss_parallel: keep the logits vocab-sharded; compute the loss inside :func:`loss_parallel`.
         reshard_after_forward, mp_policy: ``fully_shard`` options that override the strategy's (``None``: the
             strategy's, see :func:`modelpar.fsdp_kwargs`).
+        attention: patterns of the attention modules that run on sequence shards under context parallelism
+            (``context_parallel_size > 1``): each exposes its kernel as an ``attention_kernel`` attribute, which
+            the plan replaces with :class:`modelpar.context.ContextParallelAttention`. Hugging Face models need
+            none (their attention is switched through transformers' registry). Unused without context parallelism.
     """
 
     tensor_parallel: Mapping[str, StyleSpec] = field(default_factory=dict)
@@ -97,6 +103,7 @@ class ParallelPlan:
     loss_parallel: bool = False
     reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
+    attention: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel, Mapping):
@@ -125,6 +132,11 @@ class ParallelPlan:
                 f"ParallelPlan(fsdp_units={self.fsdp_units!r}) must be a tuple of non-empty patterns, such as"
                 " ('layers.*',)."
             )
+        if isinstance(self.attention, str) or not all(isinstance(p, str) and p for p in self.attention):
+            raise TypeError(
+                f"ParallelPlan(attention={self.attention!r}) must be a tuple of non-empty patterns, such as"
+                " ('layers.*.attention',)."
+            )
         if self.activation_checkpointing not in get_args(ActivationCheckpointing):
             raise ValueError(
                 f"ParallelPlan(activation_checkpointing={self.activation_checkpointing!r}) is not a mode. Use one"
@@ -152,12 +164,13 @@ class ParallelPlan:
         # Frozen means frozen: a read-only copy, so a plan shared between runs cannot be changed under them.
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
         object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
+        object.__setattr__(self, "attention", tuple(self.attention))
 
     def replace(self, **changes: Any) -> ParallelPlan:
         """A copy with ``changes`` applied (``dataclasses.replace``), validated like a new plan."""
         return dataclasses.replace(self, **changes)
 
-    def check(self, model: nn.Module, tensor_parallel_size: int) -> None:
+    def check(self, model: nn.Module, tensor_parallel_size: int, context_parallel_size: int = 1) -> None:
         """Raise, before anything is sharded, if this plan cannot apply to ``model`` at this TP size.
 
         Every pattern matches a submodule; no submodule gets two styles; each named style fits its module's
@@ -167,12 +180,18 @@ class ParallelPlan:
         for ``"embedding"``) and the head counts in ``model.config`` (``n_heads``, ``num_attention_heads``,
         ``n_kv_heads``, ``num_key_value_heads``) divide by ``tensor_parallel_size``; with
         ``tensor_parallel_size > 1``, a style splits a weight inside some FSDP unit (a decoder layer), since
-        otherwise every layer is replicated on each tensor-parallel rank. Errors are ``ValueError``
-        unless said otherwise. Works on a meta-device model with no process group, identically on every rank.
+        otherwise every layer is replicated on each tensor-parallel rank; with ``context_parallel_size > 1``,
+        every attention can be put on sequence shards (the ``attention`` patterns, or a Hugging Face model).
+        Errors are ``ValueError`` unless said otherwise. Works on a meta-device model with no process group,
+        identically on every rank.
         """
-        self._resolve(model, tensor_parallel_size)
+        self._resolve(model, tensor_parallel_size, context_parallel_size)
 
-    def _resolve(self, model: nn.Module, tensor_parallel_size: int) -> tuple[dict[str, StyleSpec], list[str]]:
+    def _resolve(
+        self, model: nn.Module, tensor_parallel_size: int, context_parallel_size: int = 1
+    ) -> tuple[dict[str, StyleSpec], list[str]]:
+        if context_parallel_size > 1 and not is_hugging_face(model):
+            attention_modules(model, self.attention)
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         units = resolve_units(model, self.fsdp_units)
         check_divisible(model, styles, tensor_parallel_size)
@@ -184,7 +203,10 @@ class ParallelPlan:
         axes = device_mesh.mesh_dim_names or ()
         tp_mesh = device_mesh[_TP_AXIS] if _TP_AXIS in axes else None
         tp = tp_mesh.size() if tp_mesh is not None else 1
-        styles, units = self._resolve(model, tp)
+        cp_mesh = context_parallel_mesh(device_mesh)
+        styles, units = self._resolve(model, tp, cp_mesh.size() if cp_mesh is not None else 1)
+        # Before activation checkpointing and compile, which must trace and recompute the replaced kernel.
+        apply_context_parallel(model, device_mesh, self.attention)
         if tp_mesh is not None and tp > 1:
             for name, style in styles.items():
                 apply_style(

@@ -41,6 +41,7 @@ LLAMA_PLAN = ParallelPlan(
         "output": "output",
     },
     fsdp_units=("layers.*",),
+    attention=("layers.*.attention",),
 )
 
 
