@@ -98,7 +98,15 @@ def case_collectives(mesh: DeviceMesh) -> dict[str, Any]:
         out.sum().backward()
     counts = {str(op): n for op, n in comm.get_comm_counts().items()}
     kv_bytes = 2 * local[1].numel() * local[1].element_size() * (mesh.size() - 1)
-    return {"forward": forward, "total": counts, "gathered_bytes": kv_bytes}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        context_parallel_attention(*local, mesh)
+    return {"forward": forward, "total": counts, "gathered_bytes": kv_bytes, "saved": sorted(saved.values())}
 
 
 def case_loss(mesh: DeviceMesh, *, tensor_parallel: bool = False) -> dict[str, float]:
@@ -296,6 +304,9 @@ def test_one_forward_and_backward_gathers_k_and_v_once_and_reduce_scatters_their
         }
         # Key/value-heads sized: 2 tensors x (2 batch x 2 kv heads x 4 tokens x 8 dims x 4 bytes) x 3 peers.
         assert comm["gathered_bytes"] == 2 * 2 * 2 * 4 * 8 * 4 * 3
+        # Saved for backward: the whole sequence's keys and values, key/value-heads sized (2 x 2 x 16 x 8 x 4 bytes
+        # each), and nothing larger (no copy expanded to the 4 query heads).
+        assert comm["saved"][-2:] == [2 * 2 * 16 * 8 * 4] * 2
 
 
 @pytest.mark.parametrize("case", ["loss/cp2", "loss/cp4", "loss/dp4", "loss/cp2_tp2_loss_parallel"])
