@@ -70,6 +70,24 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.masked_fill(~seen, 0.0)
 
 
+def case_layout(mesh: DeviceMesh) -> dict[str, bool]:
+    """``shard_sequence`` takes the positions ``load_balanced_positions`` names; ``unshard_sequence`` inverts it."""
+    from modelpar.context import load_balanced_positions
+
+    cp = mesh["context_parallel"]
+    x = torch.arange(2 * 3 * SEQ, dtype=torch.float32).view(2, SEQ, 3)
+    xt = x.transpose(0, 1).contiguous()
+    shard = shard_sequence(x, mesh)
+    positions = load_balanced_positions(SEQ, cp.size(), cp.get_local_rank())
+    batch = shard_batch({"input_ids": x[..., 0].long()}, mesh)
+    return {
+        "positions": bool(torch.equal(shard, x[:, positions])),
+        "position_ids": bool(torch.equal(batch["position_ids"], positions.expand(2, -1))),
+        "round_trip": bool(torch.equal(unshard_sequence(shard, mesh), x)),
+        "round_trip_dim0": bool(torch.equal(unshard_sequence(shard_sequence(xt, mesh, dim=0), mesh, dim=0), xt)),
+    }
+
+
 def case_kernel(mesh: DeviceMesh, kv_heads: int, padding: str | None) -> dict[str, float]:
     """Max deviation of output and q/k/v gradients from the one-process reference (same seeds on every rank)."""
     torch.manual_seed(0)
@@ -246,6 +264,7 @@ def grid() -> dict[str, Any]:
     m = meshes()
     cases: dict[str, Any] = {}
     for cp in ("cp2", "cp4"):
+        cases[f"layout/{cp}"] = (case_layout, (m[cp],))
         for kv in (4, 2):
             for padding in (None, "left", "right"):
                 cases[f"kernel/{cp}/kv{kv}/{padding}"] = (case_kernel, (m[cp], kv, padding))
@@ -282,6 +301,15 @@ def _cases(results: list[dict[str, Any]], prefix: str) -> list[tuple[int, str, A
         for name, value in r.items()
         if name.startswith(prefix) and not name.endswith("/seconds")
     ]
+
+
+def test_shards_hold_the_load_balanced_positions_and_unshard_restores_global_order(
+    results: list[dict[str, Any]],
+) -> None:
+    cases = _cases(results, "layout/")
+    assert len(cases) == 4 * 2
+    for rank, name, checks in cases:
+        assert all(checks.values()), (rank, name, checks)
 
 
 def test_kernel_matches_whole_sequence_causal_sdpa_with_mha_gqa_and_padding(results: list[dict[str, Any]]) -> None:

@@ -142,6 +142,18 @@ def test_hf_adapter_refuses_models_whose_attention_cannot_be_replaced() -> None:
     sliding = transformers.Qwen3Config(
         head_dim=8, use_sliding_window=True, sliding_window=8, max_window_layers=1, **TINY_SIZES
     )
+    llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY_SIZES))
+    llama._supports_attention_backend = False
+    with pytest.raises(NotImplementedError, match=r"does not dispatch attention through transformers' attention"):
+        use_context_parallel_attention(llama, None)  # type: ignore[arg-type]
+    llama._supports_attention_backend = True
+    llama.config.attn_logit_softcapping = 30.0
+    with pytest.raises(NotImplementedError, match=r"soft-caps its attention logits \(`attn_logit_softcapping=30.0`\)"):
+        use_context_parallel_attention(llama, None)  # type: ignore[arg-type]
+    llama.config.attn_logit_softcapping = None
+    llama.config.is_causal = False
+    with pytest.raises(NotImplementedError, match="has non-causal attention"):
+        use_context_parallel_attention(llama, None)  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match=r"layers of types \['full_attention', 'sliding_attention'\]"):
         use_context_parallel_attention(transformers.AutoModelForCausalLM.from_config(sliding), None)  # type: ignore[arg-type]
 
