@@ -101,15 +101,17 @@ def gather_sequence(t_local: torch.Tensor, mesh: DeviceMesh, *, dim: int) -> tor
     """
     cp = mesh.size()
     dim = dim % t_local.dim()
-    gathered = (
-        DTensor.from_local(t_local.contiguous(), mesh, [Shard(dim)], run_check=False)
+    # Gathered along a new leading dim: the all-gather writes each rank's shard contiguously (gathering along
+    # ``dim`` itself would cost torch an extra copy to interleave them) and the reorder below is the only copy.
+    stacked = (
+        DTensor.from_local(t_local.contiguous().unsqueeze(0), mesh, [Shard(0)], run_check=False)
         .redistribute(mesh, [Replicate()])
         .to_local(grad_placements=[Partial()])
     )
-    # In rank order piece 2r is chunk r and piece 2r + 1 is chunk 2cp - 1 - r.
-    pieces = gathered.chunk(2 * cp, dim=dim)
-    order = [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
-    return torch.cat([pieces[i] for i in order], dim=dim)
+    # Rank r's shard holds chunk r then chunk 2cp - 1 - r: chunk j < cp is rank j's first half, chunk j >= cp
+    # is rank 2cp - 1 - j's second half.
+    halves = [shard.chunk(2, dim=dim) for shard in stacked.unbind(0)]
+    return torch.cat([halves[j][0] if j < cp else halves[2 * cp - 1 - j][1] for j in range(2 * cp)], dim=dim)
 
 
 def unshard_sequence(t_local: torch.Tensor, device_mesh: DeviceMesh | None, *, dim: int = 1) -> torch.Tensor:
