@@ -106,6 +106,29 @@ def test_without_context_parallelism_the_kernel_is_causal_sdpa(kv_heads: int) ->
     torch.testing.assert_close(context_parallel_attention(q, k, v, None, scale=0.3), expected)
 
 
+def test_kv_heads_are_shared_inside_sdpa_except_with_a_mask_on_cuda() -> None:
+    from modelpar.context._attention import share_kv_heads_in_sdpa
+
+    assert share_kv_heads_in_sdpa("cpu", masked=True)
+    assert share_kv_heads_in_sdpa("cuda", masked=False)
+    assert not share_kv_heads_in_sdpa("cuda", masked=True)  # the memory-efficient kernel, not math
+
+
+def test_the_kernel_is_the_same_under_a_dispatch_mode_where_the_causal_bias_cannot_exist() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    from modelpar.context._attention import _chunk_attention
+
+    expected = _chunk_attention(q, k, v, None, None)
+    with Passthrough():
+        torch.testing.assert_close(_chunk_attention(q, k, v, None, None), expected)
+
+
 def test_left_padding_gives_zeros_not_nan_in_output_and_gradient() -> None:
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
     mask = torch.tensor([[False, False, True, True]])

@@ -3,11 +3,13 @@
 Each rank holds its two load-balanced query chunks (``_layout``). Keys and values are all-gathered along the
 sequence with their own (key/value) head count, put into global order by a local reorder, and only then shared
 among query heads (grouped-query attention inside SDPA, ``enable_gqa``), so the traffic and the tensor saved for
-backward are key/value-heads sized. In backward their gradients are reduce-scattered back to the owning rank.
+backward are key/value-heads sized (on CUDA with a padding mask the heads are repeated instead, see
+:func:`share_kv_heads_in_sdpa`). In backward their gradients are reduce-scattered back to the owning rank.
 
 Global chunk ``j`` of length ``c`` attends to keys ``[0, (j + 1) c)`` with the causal diagonal aligned to its
 lower right (its last query sees every one of those keys): one SDPA call per local chunk, which needs no
-collective beyond the two gathers and computes no fully masked block. torch's ring attention
+collective beyond the two gathers and computes no fully masked block. Without padding the mask is torch's
+lower-right causal bias (the flash kernel on CUDA); with padding, a bool mask. torch's ring attention
 (``torch.distributed.tensor.experimental.context_parallel``) has no sharding rule for the CPU SDPA kernel, and
 on GPUs gathering K/V costs a bounded amount of memory for sequences that fit (see docs/long-context.md).
 """
@@ -17,11 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from modelpar._mesh import CONTEXT_PARALLEL_AXIS
 from modelpar.context._layout import check_sequence_length, context_mesh, gather_sequence
 
-__all__ = ["ContextParallelAttention", "context_parallel_attention"]
+__all__ = ["ContextParallelAttention", "context_parallel_attention", "share_kv_heads_in_sdpa"]
 
 
 def _check_inputs(
@@ -61,18 +64,45 @@ def _check_inputs(
             )
 
 
+def share_kv_heads_in_sdpa(device_type: str, masked: bool) -> bool:
+    """Whether SDPA shares key/value heads itself (``enable_gqa``) rather than getting them repeated first.
+
+    ``enable_gqa`` keeps the tensors saved for backward key/value-heads sized, but on CUDA only the flash and math
+    kernels take it, and flash takes no mask: with a mask, SDPA would fall to the math kernel, which materializes
+    every attention score. There, repeated heads let the memory-efficient kernel run instead (transformers decides
+    alike). On CPU every kernel takes ``enable_gqa``.
+    """
+    return device_type != "cuda" or not masked
+
+
+def _lower_right_bias(q_len: int, k_len: int) -> torch.Tensor | None:
+    """torch's lower-right causal bias, which dispatches to the flash kernel on CUDA; ``None`` where it cannot exist.
+
+    The bias is a tensor subclass that cannot be created while a ``TorchDispatchMode`` is active (``CommDebugMode``,
+    selective activation checkpointing, FLOP counters): the caller then builds the same mask as a bool tensor.
+    """
+    try:
+        return causal_lower_right(q_len, k_len)
+    except RuntimeError:
+        return None
+
+
 def _chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     padding: torch.Tensor | None,
     scale: float | None,
-    gqa: bool,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (the last ``q_len`` positions before ``k_len``) over keys ``[0, k_len)``."""
     q_len, k_len = q.shape[2], k.shape[2]
-    # An explicit mask rather than torch's ``causal_lower_right`` bias: that tensor subclass cannot be created while
-    # a dispatch mode is active (``CommDebugMode``, FSDP's and compile's tracing), and a bool mask works everywhere.
+    groups = q.shape[1] // k.shape[1]
+    bias = _lower_right_bias(q_len, k_len) if padding is None else None
+    if bias is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=groups > 1)
+    if groups > 1 and not share_kv_heads_in_sdpa(q.device.type, masked=True):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    gqa = k.shape[1] != q.shape[1]
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
     if padding is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -105,9 +135,8 @@ def context_parallel_attention(
     mesh = context_mesh(device_mesh)
     cp = 1 if mesh is None else mesh.size()
     _check_inputs(query, key, value, cp, key_padding_mask)
-    gqa = key.shape[1] != query.shape[1]
     if mesh is None:
-        return _chunk_attention(query, key, value, key_padding_mask, scale, gqa)
+        return _chunk_attention(query, key, value, key_padding_mask, scale)
     keys = gather_sequence(key, mesh, dim=2)
     values = gather_sequence(value, mesh, dim=2)
     rank, c = mesh.get_local_rank(), query.shape[2] // 2
@@ -116,7 +145,7 @@ def context_parallel_attention(
         end = (chunk + 1) * c
         padding = None if key_padding_mask is None else key_padding_mask[:, :end]
         q = query[:, :, local * c : (local + 1) * c]
-        outs.append(_chunk_attention(q, keys[:, :, :end], values[:, :, :end], padding, scale, gqa))
+        outs.append(_chunk_attention(q, keys[:, :, :end], values[:, :, :end], padding, scale))
     return torch.cat(outs, dim=2)
 
 
