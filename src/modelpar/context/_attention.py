@@ -165,6 +165,8 @@ class ContextParallelAttention:
                 ' `context_parallel_size > 1`) or a 1-D mesh named ("context_parallel",).'
             )
         self.device_mesh = device_mesh
+        # Resolved once: the kernel runs in every attention layer of every step.
+        self._context_mesh = context_mesh(device_mesh)
 
     def __call__(
         self,
@@ -176,9 +178,8 @@ class ContextParallelAttention:
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return context_parallel_attention(
-            query, key, value, self.device_mesh, scale=scale, key_padding_mask=key_padding_mask
+            query, key, value, self._context_mesh, scale=scale, key_padding_mask=key_padding_mask
         )
 
     def __repr__(self) -> str:
-        mesh = context_mesh(self.device_mesh)
-        return f"ContextParallelAttention(cp={1 if mesh is None else mesh.size()})"
+        return f"ContextParallelAttention(cp={1 if self._context_mesh is None else self._context_mesh.size()})"

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from modelpar.context._attention import ContextParallelAttention
+from modelpar.context._layout import context_mesh
 
 __all__ = ["ATTENTION_NAME", "KERNEL_ATTRIBUTE", "use_context_parallel_attention"]
 
@@ -83,8 +84,6 @@ def _hf_attention(
 
 
 def _global_length(query: torch.Tensor, kernel: ContextParallelAttention) -> int:
-    from modelpar.context._layout import context_mesh
-
     mesh = context_mesh(kernel.device_mesh)
     return query.shape[2] * (1 if mesh is None else mesh.size())
 

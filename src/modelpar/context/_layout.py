@@ -40,7 +40,10 @@ def context_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The 1-D context-parallel axis of ``device_mesh``, or ``None`` when there is none or it holds one rank."""
     if device_mesh is None:
         return None
-    mesh = context_parallel_mesh(device_mesh)
+    if tuple(device_mesh.mesh_dim_names or ()) == (CONTEXT_PARALLEL_AXIS,):
+        mesh: DeviceMesh | None = device_mesh  # already the axis: no slicing on every attention call
+    else:
+        mesh = context_parallel_mesh(device_mesh)
     if mesh is None or mesh.size() == 1:
         return None
     return mesh
