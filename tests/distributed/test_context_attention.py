@@ -202,14 +202,16 @@ def case_hf(mesh: DeviceMesh, family: str, padded: bool) -> dict[str, Any]:
     if padded:
         mask[0, :3] = 0  # left padding
         mask[1, -4:] = 0  # right padding
-    batch = shard_batch({"input_ids": ids, "attention_mask": mask}, mesh, shift_labels=True)
+    # Unpadded batches come without a mask (the model then sees attention_mask=None).
+    inputs = {"input_ids": ids, "attention_mask": mask} if padded else {"input_ids": ids}
+    batch = shard_batch(inputs, mesh, shift_labels=True)
     ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
     ref_labels = shard_batch({"input_ids": ids, "attention_mask": mask}, None, shift_labels=True)["labels"]
     F.cross_entropy(ref_logits.flatten(0, 1), ref_labels.flatten()).backward()
     logits = model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
-        attention_mask=batch["attention_mask"],
+        attention_mask=batch.get("attention_mask"),
         use_cache=False,
     ).logits
     whole = unshard_sequence(logits.detach(), mesh)
