@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from harness import PG_TIMEOUT, run_distributed
+from harness import PG_TIMEOUT
 from modelpar.context import (
     ContextParallelAttention,
     context_parallel_attention,
@@ -265,7 +265,8 @@ def case_refusals(mesh: DeviceMesh) -> dict[str, str]:
 
 
 def grid() -> dict[str, Any]:
-    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     m = meshes()
     cases: dict[str, Any] = {}
     for cp in ("cp2", "cp4"):
@@ -296,8 +297,9 @@ def grid() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_distributed(grid, 4, timeout=240)
+def results(context_parallel_spawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This module's part of the context-parallel spawn (``tests/distributed/conftest.py``)."""
+    return [rank["kernel"] for rank in context_parallel_spawn]
 
 
 def _cases(results: list[dict[str, Any]], prefix: str) -> list[tuple[int, str, Any]]:

@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from modelpar.context import cross_entropy, shard_batch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from harness import run_distributed
+from modelpar.context import cross_entropy, shard_batch
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, ParallelPlan, loss_parallel
 from parity import assert_matches, local_slice, make_fabric
@@ -296,10 +295,17 @@ def grid(root: str) -> dict[str, Any]:
     }
 
 
+def kernel_and_strategy_grid(root: str) -> dict[str, Any]:
+    """The whole context-parallel area in one spawn: the kernel's grid (raw meshes), then this module's."""
+    from test_context_attention import grid as kernel_grid
+
+    return {"kernel": kernel_grid(), "strategy": grid(root)}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("cp")
-    return run_distributed(grid, 4, str(root), timeout=300)
+def results(context_parallel_spawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This module's part of the context-parallel spawn (``tests/distributed/conftest.py``)."""
+    return [rank["strategy"] for rank in context_parallel_spawn]
 
 
 LLAMA_CASES = ["cp2", "cp4", "cp2_tp2_sp_lp", "cp2_hsdp", "cp2_ac_padded", "cp2_tp2_selective"]
