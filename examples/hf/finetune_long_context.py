@@ -120,8 +120,9 @@ def main() -> None:
     # collective: every rank takes part, rank 0 receives the gathered weights
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if fabric.global_rank == 0:
-        whole = AutoModelForCausalLM.from_config(config).to(fabric.device)
-        whole.load_state_dict(full_state)  # a fresh model: plain SDPA attention on one process
+        # a fresh config: the sharded model's was switched to the context-parallel attention
+        whole = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained)).to(fabric.device)
+        whole.load_state_dict(full_state)  # plain SDPA attention on one process
         with torch.no_grad():
             reference = whole(input_ids=held_out.to(fabric.device), labels=held_out.to(fabric.device)).loss.item()
         same = abs(sharded - reference) < 1e-4 * max(1.0, abs(reference))

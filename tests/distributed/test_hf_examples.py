@@ -49,3 +49,13 @@ def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_at_2x2_and_export_wh
         exported = weights(folder)
         assert sorted(exported) == sorted(pretrained)
         assert not all(exported[k].equal(pretrained[k]) for k in pretrained)  # type: ignore[attr-defined]
+
+
+def test_long_context_example_fine_tunes_with_context_parallelism_and_matches_one_process(tmp_path):
+    out = run(
+        str(ROOT / "examples/hf/finetune_long_context.py"), "--make-tiny", str(tmp_path / "tiny"), "--devices", "2",
+        "--seq-len", "256", "--steps", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "'context_parallel': 2" in out and "step   2 | loss" in out
+    assert "the sharded loss equals one process's on the whole sequence: True" in out, out[-3000:]
