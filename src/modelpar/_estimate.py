@@ -5,18 +5,29 @@ costs no memory) and the plan's data: which dimension each tensor-parallel style
 FSDP units. It then shards dim 0 of every parameter over the FSDP shard group exactly as ``fully_shard`` does
 (padded chunks of ``ceil(dim0 / shard)`` rows, the same allocation on every rank) and adds up parameters,
 gradients, optimizer states and the largest unit while it is all-gathered. No process group, no device.
+Given a sequence length it adds the activations (:mod:`modelpar._activations`) and FSDP2's transient buffers
+and reports the peak per rank.
+
+FSDP2's transients, as ``torch/distributed/fsdp/_fully_shard`` allocates them (torch 2.13): the root unit is
+not resharded after forward (``FSDPState._lazy_init`` sets its ``post_forward_mesh_info`` to ``None``), so its
+parameters stay gathered, in the compute dtype, from forward through backward. In a unit's backward its
+unsharded gradients (compute dtype) exist whole until ``foreach_reduce`` has copied them into the
+reduce-scatter input, a new buffer of the unit's padded size in ``reduce_dtype``; both live at once, beside the
+unit's gathered parameters. With ``reshard_after_forward=False`` every unit stays gathered between forward and
+backward. The peak is then: persistent state + root gathered + activations kept from forward + the worst single
+moment of backward, which is either the loss's gradients or one unit's gathered parameters, unsharded
+gradients, reduce-scatter input and (when it is checkpointed) its recomputed activations. Summing the moment on
+top of every stored activation is conservative by the few layers' activations backward has already freed.
 
 A plain ``parallelize_fn`` is code, not data: what it does is known only by running it, so it is refused.
-Activations, the CUDA caching allocator's slack, communication buffers and a prefetched second unit are
-not counted: the estimate is the floor the model state alone needs.
+The CUDA caching allocator's slack, communication buffers, a prefetched second unit and the rest of
+``docs/memory.md``'s list are not counted.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,9 +41,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from modelpar._activations import ActivationEstimate, activation_bytes, decoder_shape
 from modelpar._fsdp import FSDPOptions
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._mesh import MeshLayout, check_size_arg
+from modelpar._meta_models import hf_on_meta, llama_on_meta
 from modelpar._precision import SUPPORTED_PRECISIONS
 from modelpar.plans._checks import resolve_styles, resolve_units
 from modelpar.plans._plan import ParallelPlan
@@ -78,6 +91,11 @@ class MemoryEstimate:
     param_dtype: torch.dtype
     compute_dtype: torch.dtype
     notes: tuple[str, ...] = ()
+    root_gathered: int = 0
+    activations: ActivationEstimate | None = None
+    moment: tuple[tuple[str, int], ...] = ()
+    moment_name: str = ""
+    setting: str = ""
 
     @property
     def total(self) -> int:
@@ -93,6 +111,17 @@ class MemoryEstimate:
     @property
     def device(self) -> int:
         return self.total - self.host
+
+    @property
+    def stored_activations(self) -> int:
+        """Activations kept from forward for backward (0 when estimated without ``seq_len``)."""
+        return self.activations.stored if self.activations is not None else 0
+
+    @property
+    def peak(self) -> int:
+        """Device bytes at the worst moment of a step: persistent state, root gathered, activations, worst moment."""
+        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
+        return persistent + self.root_gathered + self.stored_activations + sum(size for _, size in self.moment)
 
     def __str__(self) -> str:
         layout, offload = self.layout, self.host > 0
@@ -119,8 +148,25 @@ class MemoryEstimate:
         lines.append(
             f"{'total':<18}{'':<34}{_human(self.device):>12}" + (f"{_human(self.host):>12}" if offload else "")
         )
+        lines += self._peak_lines()
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(line.rstrip() for line in lines)
+
+    def _peak_lines(self) -> list[str]:
+        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
+        rows = [("persistent state", "parameters, gradients, optimizer, buffers", persistent)]
+        rows.append(("root gathered", "forward through backward", self.root_gathered))
+        if self.activations is not None:
+            rows.append(("activations", self.setting, self.activations.stored))
+            rows += [(f"  {name}", "", size) for name, size in self.activations.parts]
+        else:
+            rows.append(("activations", "not counted: pass seq_len (--seq-len)", 0))
+        rows.append(("worst moment", self.moment_name, sum(size for _, size in self.moment)))
+        rows += [(f"  {name}", "", size) for name, size in self.moment if size]
+        lines = ["", "Peak per rank (device)"]
+        lines += [f"{name:<28}{what:<40}{_human(size):>12}" for name, what, size in rows]
+        lines.append(f"{'peak':<28}{'':<40}{_human(self.peak):>12}")
+        return lines
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -146,6 +192,10 @@ def estimate_memory(
     mixed_precision: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
     gradient_accumulation: AccumulationMode = "sharded",
+    seq_len: int | None = None,
+    micro_batch_size: int = 1,
+    context_parallel_size: int = 1,
+    reshard_after_forward: bool | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank that ``plan`` on this layout needs for ``model``'s state, computed without running anything.
 
@@ -164,6 +214,15 @@ def estimate_memory(
     no FSDP unit belong to the root's. Tied parameters count once. ``gradient_accumulation="unsharded"`` keeps
     unsharded gradients (model / tensor-parallel size) between micro-batches.
 
+    ``seq_len`` (tokens per sample; ``None``: the model state and FSDP2's transients only, no activations),
+    ``micro_batch_size`` and ``context_parallel_size`` (each rank holds ``seq_len / cp`` tokens of a sample;
+    FSDP shards over the data-parallel shard group x the context-parallel ranks, as torchtitan does) size the
+    activations of a Llama-style decoder (:mod:`modelpar._activations`), under the plan's
+    ``activation_checkpointing``, ``ac_every``, ``sequence_parallel`` and ``loss_parallel``, in the activation
+    dtype (the policy's ``param_dtype``, else the parameters'). ``reshard_after_forward`` is the strategy's
+    option (the plan's wins); ``False`` keeps every unit gathered from forward to backward. :attr:`~MemoryEstimate.peak`
+    adds them up (see the module docstring for the rule); ``str()`` prints it with its parts.
+
     Raises ``TypeError`` for a ``plan`` that is not a ``ParallelPlan``, and what ``plan.check`` raises when the
     plan does not fit the model at this tensor-parallel size.
     """
@@ -176,6 +235,7 @@ def estimate_memory(
             " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
         )
     layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size)
+    cp = _check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
     GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
     states = _optimizer_states(optimizer)
     if precision not in SUPPORTED_PRECISIONS:
@@ -187,7 +247,7 @@ def estimate_memory(
             f"{type(model).__name__} is already parallelized (it has DTensor parameters). Estimate on a fresh model"
             " built on the meta device: `with torch.device('meta'): model = MyModel(config)`."
         )
-    tp, shard = layout.tensor_parallel_size, layout.data_parallel_shard_size
+    tp, shard = layout.tensor_parallel_size, layout.data_parallel_shard_size * cp
     options = FSDPOptions.resolve(
         mixed_precision=mixed_precision,
         cpu_offload=bool(cpu_offload),  # pinning changes where, not how much
@@ -206,6 +266,7 @@ def estimate_memory(
     true_dtype = _TRUE_DTYPES.get(precision)
     sharded = unsharded_grads = optimizer_bytes = 0
     gathered: dict[str, int] = {}
+    reduce_buffer: dict[str, int] = {}
     param_dtype = compute_dtype = torch.float32
     for name, param in model.named_parameters():  # deduplicated: a tied parameter appears once
         module_name, _, local_name = name.rpartition(".")
@@ -226,6 +287,7 @@ def estimate_memory(
         unsharded_grads += rows * rest * reduce.itemsize
         unit = _unit_of(module_name, units)
         gathered[unit] = gathered.get(unit, 0) + chunk * shard * rest * compute.itemsize
+        reduce_buffer[unit] = reduce_buffer.get(unit, 0) + chunk * shard * rest * reduce.itemsize
     largest = max(gathered, key=lambda u: gathered[u]) if gathered else _ROOT
     unit_bytes = gathered.get(largest, 0)
     grads = unsharded_grads if gradient_accumulation == "unsharded" else sharded
@@ -233,6 +295,27 @@ def estimate_memory(
         b.numel() * (true_dtype if true_dtype is not None and b.is_floating_point() else b.dtype).itemsize
         for b in model.buffers()
     )
+    resharding = (
+        plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
+    ) is not False
+    activations = None
+    if seq_len is not None:
+        activations = activation_bytes(
+            decoder_shape(model),
+            batch=micro_batch_size,
+            seq_len=seq_len,
+            act_bytes=compute_dtype.itemsize,
+            tp=tp,
+            cp=cp,
+            sequence_parallel=plan.sequence_parallel and tp > 1,
+            loss_parallel=plan.loss_parallel and tp > 1,
+            checkpointing=plan.activation_checkpointing,
+            ac_every=plan.ac_every,
+        )
+    moment_name, moment = _worst_moment(
+        gathered, reduce_buffer, activations, resharding=resharding, accumulate=gradient_accumulation == "unsharded"
+    )
+    root = gathered.get(_ROOT, 0) if resharding else sum(gathered.values())
     host = 0
     if cpu_offload:
         host = sharded + optimizer_bytes + (grads if gradient_accumulation == "sharded" else 0)
@@ -252,7 +335,68 @@ def estimate_memory(
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
         notes=tuple(sorted(notes)),
+        root_gathered=root,
+        activations=activations,
+        moment=moment,
+        moment_name=moment_name,
+        setting=_setting(plan, seq_len, micro_batch_size, cp, tp, compute_dtype),
     )
+
+
+def _worst_moment(
+    gathered: dict[str, int],
+    reduce_buffer: dict[str, int],
+    activations: ActivationEstimate | None,
+    *,
+    resharding: bool,
+    accumulate: bool,
+) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The largest single extra of backward: the loss's gradients, or one unit's backward (name, parts)."""
+    recompute = activations.recompute if activations is not None else 0
+    candidates: list[tuple[str, tuple[tuple[str, int], ...]]] = []
+    if activations is not None:
+        candidates.append(("loss backward", (("logits gradients (fp32)", activations.loss_backward),)))
+    for unit, size in gathered.items():
+        parts = (
+            ("unit gathered", size if resharding and unit != _ROOT else 0),
+            ("unsharded gradients", 0 if accumulate else size),
+            ("reduce-scatter input", reduce_buffer[unit]),
+            ("recomputed activations", recompute if unit != _ROOT else 0),
+        )
+        candidates.append((f"backward of {unit}", parts))
+    if not candidates:
+        return "", ()
+    return max(candidates, key=lambda c: sum(size for _, size in c[1]))
+
+
+def _setting(plan: ParallelPlan, seq_len: int | None, batch: int, cp: int, tp: int, dtype: torch.dtype) -> str:
+    if seq_len is None:
+        return ""
+    extras = [f"AC {plan.activation_checkpointing}"]
+    extras += [f"every {plan.ac_every}"] * (plan.activation_checkpointing != "none" and plan.ac_every > 1)
+    extras += ["SP"] * (plan.sequence_parallel and tp > 1) + ["LP"] * (plan.loss_parallel and tp > 1)
+    extras += [f"cp {cp}"] * (cp > 1)
+    return f"b {batch} x seq {seq_len}, {_dtype(dtype)}, {', '.join(extras)}"
+
+
+def _check_sequence(seq_len: int | None, batch: int, cp: int, tp: int, plan: ParallelPlan) -> int:
+    """Validate the activation arguments; return the context-parallel size."""
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", batch), ("context_parallel_size", cp)):
+        if value is None and name == "seq_len":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"estimate_memory({name}={value!r}) must be a positive int.")
+    if seq_len is not None:
+        parts = cp * (tp if plan.sequence_parallel and tp > 1 else 1)
+        if seq_len % parts:
+            what = f"context_parallel_size={cp}" + (
+                f" x tensor_parallel_size={tp} (sequence parallel)" if parts != cp else ""
+            )
+            raise ValueError(
+                f"estimate_memory(seq_len={seq_len}) must divide by {what} = {parts}: each rank holds an equal share"
+                " of the tokens. Choose a sequence length that is a multiple of it."
+            )
+    return cp
 
 
 def _layout(data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int) -> MeshLayout:
@@ -313,39 +457,3 @@ def _unit_of(module_name: str, units: list[str]) -> str:
     """The deepest FSDP unit that holds ``module_name`` (``fully_shard`` bottom-up: inner units own theirs)."""
     owners = [u for u in units if module_name == u or module_name.startswith(u + ".")]
     return max(owners, key=len) if owners else _ROOT
-
-
-# ---------------------------------------------------------------------------------------------------
-# models on the meta device, for the command line
-# ---------------------------------------------------------------------------------------------------
-def llama_on_meta(config_json: str) -> tuple[nn.Module, ParallelPlan]:
-    """``modelpar.models.Llama`` on the meta device from ``LlamaConfig`` fields as JSON, with ``LLAMA_PLAN``."""
-    from modelpar.models import Llama, LlamaConfig
-    from modelpar.plans import LLAMA_PLAN
-
-    values = json.loads(config_json)
-    known = [f.name for f in fields(LlamaConfig)]
-    if not isinstance(values, dict) or set(values) - set(known):
-        unknown = sorted(set(values) - set(known)) if isinstance(values, dict) else values
-        raise ValueError(
-            f"--llama: {unknown!r} are not LlamaConfig fields. Pass a JSON object with some of {known}, e.g."
-            ' \'{"dim": 4096, "n_layers": 32}\'.'
-        )
-    with torch.device("meta"):
-        return Llama(LlamaConfig(**values)), LLAMA_PLAN
-
-
-def hf_on_meta(path: Path) -> tuple[nn.Module, ParallelPlan]:
-    """A Hugging Face causal LM from its ``config.json`` (or the folder holding it) on the meta device, and its plan."""
-    if not path.exists():
-        raise FileNotFoundError(f"--hf-config: {str(path)!r} does not exist. Pass a model folder or its config.json.")
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as err:
-        raise ImportError("--hf-config needs transformers. Install the extra: pip install 'modelpar[hf]'") from err
-    config = AutoConfig.from_pretrained(str(path))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    from modelpar.hf._plan import plan_for  # needs no transformers itself; the model above did
-
-    return model, plan_for(model)

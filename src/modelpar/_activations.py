@@ -1,0 +1,184 @@
+"""Bytes autograd keeps for backward in a decoder's training step, from the model's sizes and the plan.
+
+Every term below was read off what the model code saves (``torch.autograd.graph.saved_tensors_hooks``, each
+storage once) and checked against the bytes live after forward on CPU (``benchmarks/calibrate_estimate.py``,
+``docs/memory.md``). Notation: ``b`` micro-batch, ``s`` local tokens (sequence / context-parallel size), ``d``
+hidden size, ``f`` FFN hidden size, ``h`` / ``g`` query / key-value heads and ``e`` head dim (each split by the
+tensor-parallel size ``tp``), ``a`` the activation dtype's bytes (the mixed-precision ``param_dtype``), ``V``
+the vocabulary. With sequence parallelism the norms and the residual stream run on ``s / tp`` tokens.
+
+Per decoder layer, without checkpointing:
+
+- each RMSNorm (two per layer, plus the final one) keeps its input as fp32 (the fp32 input itself, or under
+  16-bit activations the ``.float()`` copies the norm makes: two in ``modelpar.models.Llama``, which calls it
+  twice, one in Hugging Face's), the ``rsqrt`` per token (fp32), and the normalized value before the weight
+  multiply (fp32, or its cast to ``a``); its output, the projections' input, is kept once at ``a`` (all-gathered
+  to ``s`` tokens under sequence parallelism);
+- per-head q / k norms (Qwen3) keep the same on the projections' outputs;
+- attention keeps q, k and v as the kernel sees them (k and v repeated to ``h`` heads when the model repeats
+  them before the kernel, as ``modelpar.models.Llama`` does; ``g`` heads when the kernel does grouped-query
+  attention itself, as Hugging Face's SDPA path does), its output and its log-sum-exp (fp32, per head and token);
+- the SwiGLU MLP keeps the gate and up projections' outputs, the SiLU output and their product: ``4 b s f a``.
+
+``"full"`` checkpointing keeps only each checkpointed layer's input (``b s d a``); ``"selective"`` keeps the
+layer input and the outputs of the ops in ``plans._checkpointing.SAVED_OPS``: the q/k/v, output, gate, up and
+down projections (the row-parallel ones before their all-reduce: ``b s d a`` each) and attention's output and
+log-sum-exp. Outside the layers: the token ids (int64), the final norm, the LM head's input, the logits the
+step holds (``b s V a``; ``V / tp`` under loss parallelism) and the cross-entropy's fp32 log-probabilities.
+Under context parallelism each attention layer also keeps the all-gathered K and V of the whole sequence
+(:func:`cp_gathered_kv`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["ActivationEstimate", "DecoderShape", "activation_bytes", "cp_gathered_kv", "decoder_shape"]
+
+_FP32 = 4
+_INDEX = 8  # int64 token ids
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes of a Llama-style decoder that its activations depend on, and how its code keeps them."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    norm_fp32_copies: int  # `.float()` copies an RMSNorm keeps under 16-bit activations
+    repeats_kv: bool  # K and V repeated to every query head before the attention kernel
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    rope_tables: bool  # cos / sin computed per forward and kept once (Hugging Face)
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes one rank keeps from forward for backward (``stored``), by part, and the backward-time extras."""
+
+    parts: tuple[tuple[str, int], ...]
+    recompute: int  # one checkpointed layer's activations, rebuilt during its backward
+    loss_backward: int  # the cross-entropy's gradients, at the start of backward
+
+    @property
+    def stored(self) -> int:
+        return sum(size for _, size in self.parts)
+
+
+def decoder_shape(model: nn.Module) -> DecoderShape:
+    """The :class:`DecoderShape` of ``modelpar.models.Llama`` or a Hugging Face Llama-style causal LM."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "ffn_hidden") and hasattr(config, "n_heads"):  # modelpar Llama
+        return DecoderShape(
+            layers=config.n_layers,
+            hidden=config.dim,
+            heads=config.n_heads,
+            kv_heads=config.n_kv_heads,
+            head_dim=config.dim // config.n_heads,
+            ffn=config.ffn_hidden,
+            vocab=config.vocab_size,
+            norm_fp32_copies=2,
+            repeats_kv=True,
+            qk_norm=False,
+            rope_tables=False,
+        )
+    needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+    if config is None or not all(isinstance(getattr(config, k, None), int) for k in needed):
+        raise ValueError(
+            f"estimate_memory(seq_len=...) counts activations of Llama-style decoders (modelpar.models.Llama, or a"
+            f" Hugging Face model whose config has {', '.join(needed)}), but {type(model).__name__} has no such"
+            " config. Leave `seq_len=None` for the model state alone."
+        )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    return DecoderShape(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        ffn=config.intermediate_size,
+        vocab=config.vocab_size,
+        norm_fp32_copies=1,
+        repeats_kv=attention == "eager",
+        qk_norm=any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules()),
+        rope_tables=True,
+    )
+
+
+def _norm(rows: int, width: int, a: int, copies: int) -> int:
+    """An RMSNorm's own saved tensors: fp32 input (or copies), per-row rsqrt, the normalized value."""
+    kept_input = _FP32 if a == _FP32 else _FP32 * copies
+    normalized = _FP32 if a == _FP32 else a
+    return rows * width * (kept_input + normalized) + rows * _FP32
+
+
+def cp_gathered_kv(shape: DecoderShape, *, batch: int, seq_len: int, tp: int, a: int) -> int:
+    """Per attention layer under context parallelism: the K and V of the whole sequence, all-gathered and kept.
+
+    ``2 b S (g / tp) e a``: key-value heads only, as gathered before any grouped-query expansion. Not yet
+    calibrated against the context-parallel kernel; a kernel that keeps the expanded K / V needs ``h`` for ``g``.
+    """
+    return 2 * batch * seq_len * (shape.kv_heads // tp) * shape.head_dim * a
+
+
+def activation_bytes(
+    shape: DecoderShape,
+    *,
+    batch: int,
+    seq_len: int,
+    act_bytes: int,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    checkpointing: str = "none",
+    ac_every: int = 1,
+) -> ActivationEstimate:
+    """What one rank keeps from forward for backward, by part (see the module docstring for each term)."""
+    a, s = act_bytes, seq_len // cp
+    rows = batch * s
+    stream_rows = rows // tp if sequence_parallel else rows
+    d, f = shape.hidden, shape.ffn // tp
+    h, g, e = shape.heads // tp, shape.kv_heads // tp, shape.head_dim
+    kv_seen = h if shape.repeats_kv else g
+    copies = shape.norm_fp32_copies
+
+    norms = 2 * _norm(stream_rows, d, a, copies) + 2 * rows * d * a  # two norms and the projections' inputs
+    if shape.qk_norm:
+        norms += _norm(rows * h, e, a, copies) + _norm(rows * g, e, a, copies)
+    attention = rows * e * (2 * h + 2 * kv_seen) * a + batch * h * s * _FP32
+    mlp = 4 * rows * f * a
+    full_layer = norms + attention + mlp
+    layer_input = stream_rows * d * a
+    selective_layer = layer_input + rows * e * (h + 2 * g) * a + 2 * rows * d * a + 2 * rows * f * a + rows * h * e * a
+    selective_layer += batch * h * s * _FP32
+    checkpointed = shape.layers // ac_every if checkpointing != "none" else 0
+    per_checkpointed = layer_input if checkpointing == "full" else selective_layer
+    cp_kv = cp_gathered_kv(shape, batch=batch, seq_len=seq_len, tp=tp, a=a) if cp > 1 else 0
+
+    vocab = shape.vocab // tp if loss_parallel else shape.vocab
+    parts = [
+        ("token ids", rows * _INDEX),
+        ("layers, not checkpointed", (shape.layers - checkpointed) * full_layer),
+        (f"layers, {checkpointing} checkpointing", checkpointed * per_checkpointed),
+        ("cp gathered K/V", (shape.layers - checkpointed) * cp_kv),
+        ("final norm, LM head input", _norm(stream_rows, d, a, copies) + rows * d * a),
+        ("logits", rows * vocab * a),
+        ("log-probabilities (fp32)", rows * vocab * _FP32),
+    ]
+    if shape.rope_tables:
+        parts.append(("rotary cos/sin", 2 * s * e * a))
+    recompute = full_layer + cp_kv - per_checkpointed if checkpointed else 0
+    return ActivationEstimate(
+        parts=tuple((name, size) for name, size in parts if size),
+        recompute=recompute,
+        loss_backward=2 * rows * vocab * _FP32,
+    )
