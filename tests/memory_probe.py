@@ -17,7 +17,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["live_after", "saved_for_backward"]
+__all__ = [
+    "CALIBRATION_MODELS",
+    "calibration_model",
+    "estimate_single_process",
+    "live_after",
+    "measure_single_process",
+    "saved_for_backward",
+]
 
 
 def live_after(step: Callable[[], Any]) -> tuple[int, Any]:
@@ -45,3 +52,78 @@ def saved_for_backward(model: nn.Module, step: Callable[[], Any]) -> tuple[int, 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = step()
     return sum(saved.values()), result
+
+
+#: Calibration models: modelpar's Llama and two Hugging Face families, sized so activations are not tiny.
+CALIBRATION_MODELS = ("llama", "hf-llama", "hf-qwen3")
+_HF_SIZES: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    tie_word_embeddings=False,
+)
+
+
+def calibration_model(kind: str, seq_len: int, *, meta: bool = False) -> nn.Module:
+    """One of :data:`CALIBRATION_MODELS` (on the meta device when ``meta``)."""
+    with torch.device("meta" if meta else "cpu"):
+        if kind == "llama":
+            from modelpar.models import Llama, LlamaConfig
+
+            return Llama(
+                LlamaConfig(
+                    vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=seq_len
+                )
+            )
+        import transformers
+
+        config_cls = {"hf-llama": transformers.LlamaConfig, "hf-qwen3": transformers.Qwen3Config}[kind]
+        return transformers.AutoModelForCausalLM.from_config(
+            config_cls(**_HF_SIZES, max_position_embeddings=seq_len, head_dim=32)
+        )
+
+
+def measure_single_process(kind: str, *, seq_len: int, checkpointing: str, dtype: torch.dtype, batch: int = 2) -> int:
+    """Bytes live after forward and loss of one step of ``kind`` in ``dtype`` (``F.cross_entropy`` on fp32 logits)."""
+    import torch.nn.functional as F
+
+    from modelpar.plans._checkpointing import checkpoint_module
+
+    torch.manual_seed(0)
+    model = calibration_model(kind, seq_len).to(dtype)
+    layers = model.layers if kind == "llama" else model.model.layers
+    if checkpointing != "none":
+        for layer in layers:
+            checkpoint_module(layer, checkpointing)  # type: ignore[arg-type]
+    tokens = torch.randint(0, 256, (batch, seq_len))
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(tokens) if kind == "llama" else model(input_ids=tokens, use_cache=False).logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
+
+    return live_after(step)[0]
+
+
+def estimate_single_process(kind: str, *, seq_len: int, checkpointing: str, dtype: torch.dtype, batch: int = 2) -> int:
+    """``estimate_memory``'s stored activations for the same step."""
+    from modelpar import estimate_memory
+
+    model = calibration_model(kind, seq_len, meta=True)
+    if kind == "llama":
+        from modelpar.plans import LLAMA_PLAN as plan
+    else:
+        from modelpar.hf import plan_for
+
+        plan = plan_for(model)
+    estimate = estimate_memory(
+        model,
+        plan=plan.replace(activation_checkpointing=checkpointing),
+        data_parallel_size=1,
+        precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
+        seq_len=seq_len,
+        micro_batch_size=batch,
+    )
+    return estimate.stored_activations

@@ -78,28 +78,79 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
 
     estimate = commands.add_parser(
         "estimate",
-        help="per-rank memory of a model on a layout (parameters, gradients, optimizer states)",
-        description="Estimate the memory per rank of a model's state under a parallel plan, from its config alone"
-        " (the model is built on the meta device; no process group).",
+        help="per-rank memory of a model on a layout (state, activations, FSDP2 transients, peak); --search: which fit",
+        description="Estimate the memory per rank of a model under a parallel plan, from its config alone (the model"
+        " is built on the meta device; no process group): parameters, gradients, optimizer states, FSDP2's"
+        " transient buffers and, with --seq-len, activations, adding up to the peak. --search lists the layouts"
+        " of --world-size ranks whose peak fits --gpu-memory, best first: least recomputation (AC none, then"
+        " selective, then full: recomputation costs compute every step), then the smallest tensor-parallel size,"
+        " then the smallest context-parallel size (both add collectives inside every layer), then the fewest"
+        " replicas, then the smallest peak. Not modelled: allocator slack, NCCL buffers, the CUDA context (see"
+        " docs/memory.md); leave a few GiB of headroom.",
     )
     model = estimate.add_mutually_exclusive_group(required=True)
     model.add_argument("--llama", metavar="JSON", help="modelpar.models.LlamaConfig fields, e.g. '{\"dim\": 4096}'")
-    model.add_argument("--hf-config", type=Path, metavar="PATH", help="a Hugging Face model folder or its config.json")
+    model.add_argument(
+        "--hf-config", "--hf", type=Path, metavar="PATH", help="a Hugging Face model folder or its config.json"
+    )
     estimate.add_argument("--dp", type=int, default=1, help="data_parallel_size (default: 1)")
     estimate.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default: 1)")
     estimate.add_argument("--replicate", type=int, default=1, help="data_parallel_replicate_size (default: 1)")
+    estimate.add_argument("--cp", type=int, default=1, help="context-parallel size (default: 1)")
     estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw", help="default: adamw")
     estimate.add_argument("--precision", choices=SUPPORTED_PRECISIONS, default="32-true", help="default: 32-true")
     estimate.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of the sharded state")
     estimate.add_argument(
         "--accumulation", choices=["sharded", "unsharded"], default="sharded", help="default: sharded"
     )
+    estimate.add_argument("--seq-len", type=int, help="tokens per sample: adds activations (default: state only)")
+    estimate.add_argument("--micro-batch", type=int, default=1, help="samples per rank per step (default: 1)")
+    estimate.add_argument(
+        "--ac", choices=["none", "selective", "full"], default="none", help="activation checkpointing"
+    )
+    estimate.add_argument("--ac-every", type=int, default=1, help="checkpoint every k-th layer (default: 1)")
+    estimate.add_argument("--sequence-parallel", action="store_true", help="the plan's sequence_parallel")
+    estimate.add_argument("--loss-parallel", action="store_true", help="the plan's loss_parallel")
+    estimate.add_argument("--search", action="store_true", help="list the layouts that fit (needs the next two)")
+    estimate.add_argument("--world-size", type=int, help="number of GPUs (--search)")
+    estimate.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 80GiB, 80GB, 81920MiB (--search)")
+    estimate.set_defaults(subparser=estimate)
 
 
 def _estimate(args: argparse.Namespace) -> None:
     from modelpar._estimate import estimate_memory, hf_on_meta, llama_on_meta
+    from modelpar._layout_search import format_fits, parse_memory, search_layouts
 
+    if args.search and (args.world_size is None or args.gpu_memory is None or args.seq_len is None):
+        args.subparser.error("--search needs --world-size, --gpu-memory and --seq-len")
+    if not args.search and (args.world_size is not None or args.gpu_memory is not None):
+        args.subparser.error("--world-size and --gpu-memory apply to --search only")
     model, plan = llama_on_meta(args.llama) if args.llama is not None else hf_on_meta(args.hf_config)
+    options = {"sequence_parallel": args.sequence_parallel, "loss_parallel": args.loss_parallel}
+    if args.llama is None:
+        from modelpar.hf._plan import plan_for
+
+        plan = plan_for(model, **options)  # refuses what Hugging Face models cannot do, with the reason
+    plan = plan.replace(**options, activation_checkpointing=args.ac, ac_every=args.ac_every)
+    common = {
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "cpu_offload": args.cpu_offload,
+        "gradient_accumulation": args.accumulation,
+    }
+    if args.search:
+        memory = parse_memory(args.gpu_memory)
+        fits, tried = search_layouts(
+            model,
+            plan,
+            world_size=args.world_size,
+            gpu_memory=memory,
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch,
+            **common,
+        )
+        print(format_fits(fits, tried, world_size=args.world_size, gpu_memory=memory))
+        return
     print(
         estimate_memory(
             model,
@@ -107,10 +158,10 @@ def _estimate(args: argparse.Namespace) -> None:
             data_parallel_size=args.dp,
             tensor_parallel_size=args.tp,
             data_parallel_replicate_size=args.replicate,
-            optimizer=args.optimizer,
-            precision=args.precision,
-            cpu_offload=args.cpu_offload,
-            gradient_accumulation=args.accumulation,
+            context_parallel_size=args.cp,
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch,
+            **common,
         )
     )
 
