@@ -236,3 +236,64 @@ def test_a_hugging_face_style_the_plan_cannot_translate_is_named():
     model.config.base_model_tp_plan = {"layers.*.mlp.down_proj": "local_packed_rowwise"}
     with pytest.raises(ValueError, match=r"maps 'model.layers.\*.mlp.down_proj' to the style 'local_packed_rowwise'"):
         plan_for(model)
+
+
+HF_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+
+def test_gpu_memory_sizes_parse_in_binary_and_decimal_units():
+    from modelpar._layout_search import parse_memory
+
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("81920MiB") == 80 * 2**30
+    with pytest.raises(ValueError, match=r"--gpu-memory '80 apples' is not a memory size"):
+        parse_memory("80 apples")
+
+
+def test_cli_search_lists_the_layouts_that_fit_best_first(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(HF_8B))
+    argv = ["estimate", "--hf", str(tmp_path), "--world-size", "8", "--seq-len", "8192", "--precision", "bf16-mixed"]
+    assert main([*argv, "--gpu-memory", "80GiB", "--search"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "best first: least recomputation" in lines[0]
+    rows = [line.split() for line in lines[2:] if not line.startswith("...")]
+    assert rows[0][:5] == ["8", "1", "1", "1", "none"]  # plain FSDP over 8 ranks, no recomputation, fits
+    assert all(float(row[5]) <= 80 for row in rows)
+    order = ["none", "selective", "full"]
+    assert [order.index(row[4]) for row in rows] == sorted(order.index(row[4]) for row in rows)
+    assert main([*argv, "--gpu-memory", "8GiB", "--search"]) == 0
+    assert "none of the 60 tried fits" in capsys.readouterr().out
+
+
+def test_cli_search_refuses_missing_or_bad_arguments(tmp_path, capsys):
+    config = json.dumps({"vocab_size": 16, "dim": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 16})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--llama", config, "--search", "--seq-len", "8"])
+    assert exit_info.value.code == 2
+    assert "--search needs --world-size, --gpu-memory and --seq-len" in capsys.readouterr().err
+    argv = ["estimate", "--llama", config, "--search", "--seq-len", "8", "--world-size", "4"]
+    assert main([*argv, "--gpu-memory", "lots"]) == 2
+    assert "error: --gpu-memory 'lots' is not a memory size" in capsys.readouterr().err
+    assert main(["estimate", "--llama", config, "--seq-len", "9", "--cp", "2"]) == 2
+    assert "must divide by context_parallel_size=2" in capsys.readouterr().err
+
+
+def test_cli_prints_the_peak_with_activations(capsys):
+    config = json.dumps({"vocab_size": 16, "dim": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 16})
+    assert main(["estimate", "--llama", config, "--seq-len", "4", "--micro-batch", "2", "--ac", "selective"]) == 0
+    out = capsys.readouterr().out
+    assert "b 2 x seq 4, fp32, AC selective" in out and "layers, selective checkpointing" in out
+    assert out.rstrip().splitlines()[-1].startswith("peak")
