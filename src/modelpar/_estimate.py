@@ -164,8 +164,8 @@ class MemoryEstimate:
         rows.append(("worst moment", self.moment_name, sum(size for _, size in self.moment)))
         rows += [(f"  {name}", "", size) for name, size in self.moment if size]
         lines = ["", "Peak per rank (device)"]
-        lines += [f"{name:<28}{what:<40}{_human(size):>12}" for name, what, size in rows]
-        lines.append(f"{'peak':<28}{'':<40}{_human(self.peak):>12}")
+        lines += [f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
+        lines.append(f"{'peak':<34}{'':<42}{_human(self.peak):>12}")
         return lines
 
 
