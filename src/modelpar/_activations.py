@@ -35,7 +35,17 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ActivationEstimate", "DecoderShape", "activation_bytes", "cp_gathered_kv", "decoder_shape"]
+from modelpar.plans._plan import ParallelPlan
+
+__all__ = [
+    "ActivationEstimate",
+    "DecoderShape",
+    "activation_bytes",
+    "check_sequence",
+    "cp_gathered_kv",
+    "decoder_shape",
+    "setting_label",
+]
 
 _FP32 = 4
 _INDEX = 8  # int64 token ids
@@ -182,3 +192,34 @@ def activation_bytes(
         recompute=recompute,
         loss_backward=2 * rows * vocab * _FP32,
     )
+
+
+def check_sequence(seq_len: int | None, batch: int, cp: int, tp: int, plan: ParallelPlan) -> int:
+    """Validate the activation arguments; return the context-parallel size."""
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", batch), ("context_parallel_size", cp)):
+        if value is None and name == "seq_len":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"estimate_memory({name}={value!r}) must be a positive int.")
+    if seq_len is not None:
+        parts = cp * (tp if plan.sequence_parallel and tp > 1 else 1)
+        if seq_len % parts:
+            what = f"context_parallel_size={cp}" + (
+                f" x tensor_parallel_size={tp} (sequence parallel)" if parts != cp else ""
+            )
+            raise ValueError(
+                f"estimate_memory(seq_len={seq_len}) must divide by {what} = {parts}: each rank holds an equal share"
+                " of the tokens. Choose a sequence length that is a multiple of it."
+            )
+    return cp
+
+
+def setting_label(plan: ParallelPlan, seq_len: int | None, batch: int, cp: int, tp: int, dtype: str) -> str:
+    """The activation setting in a few words, for the table."""
+    if seq_len is None:
+        return ""
+    extras = [f"AC {plan.activation_checkpointing}"]
+    extras += [f"every {plan.ac_every}"] * (plan.activation_checkpointing != "none" and plan.ac_every > 1)
+    extras += ["SP"] * (plan.sequence_parallel and tp > 1) + ["LP"] * (plan.loss_parallel and tp > 1)
+    extras += [f"cp {cp}"] * (cp > 1)
+    return f"b {batch} x seq {seq_len}, {dtype}, {', '.join(extras)}"

@@ -6,18 +6,7 @@ FSDP units. It then shards dim 0 of every parameter over the FSDP shard group ex
 (padded chunks of ``ceil(dim0 / shard)`` rows, the same allocation on every rank) and adds up parameters,
 gradients, optimizer states and the largest unit while it is all-gathered. No process group, no device.
 Given a sequence length it adds the activations (:mod:`modelpar._activations`) and FSDP2's transient buffers
-and reports the peak per rank.
-
-FSDP2's transients, as ``torch/distributed/fsdp/_fully_shard`` allocates them (torch 2.13): the root unit is
-not resharded after forward (``FSDPState._lazy_init`` sets its ``post_forward_mesh_info`` to ``None``), so its
-parameters stay gathered, in the compute dtype, from forward through backward. In a unit's backward its
-unsharded gradients (compute dtype) exist whole until ``foreach_reduce`` has copied them into the
-reduce-scatter input, a new buffer of the unit's padded size in ``reduce_dtype``; both live at once, beside the
-unit's gathered parameters. With ``reshard_after_forward=False`` every unit stays gathered between forward and
-backward. The peak is then: persistent state + root gathered + activations kept from forward + the worst single
-moment of backward, which is either the loss's gradients or one unit's gathered parameters, unsharded
-gradients, reduce-scatter input and (when it is checkpointed) its recomputed activations. Summing the moment on
-top of every stored activation is conservative by the few layers' activations backward has already freed.
+and reports the peak per rank (the rule: :mod:`modelpar._transients`).
 
 A plain ``parallelize_fn`` is code, not data: what it does is known only by running it, so it is refused.
 The CUDA caching allocator's slack, communication buffers, a prefetched second unit and the rest of
@@ -41,12 +30,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from modelpar._activations import ActivationEstimate, activation_bytes, decoder_shape
+from modelpar._activations import ActivationEstimate, activation_bytes, check_sequence, decoder_shape, setting_label
 from modelpar._fsdp import FSDPOptions
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._mesh import MeshLayout, check_size_arg
 from modelpar._meta_models import hf_on_meta, llama_on_meta
 from modelpar._precision import SUPPORTED_PRECISIONS
+from modelpar._transients import ROOT, worst_moment
 from modelpar.plans._checks import resolve_styles, resolve_units
 from modelpar.plans._plan import ParallelPlan
 from modelpar.plans._styles import StyleSpec
@@ -62,7 +52,6 @@ _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _COLUMN_NAMES = ("colwise", "colwise_gather", "output")
 _ROW_NAMES = ("rowwise", "embedding")
 _REPLICATING = (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
-_ROOT = "(root)"
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
@@ -235,7 +224,7 @@ def estimate_memory(
             " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
         )
     layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size)
-    cp = _check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
+    cp = check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
     GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
     states = _optimizer_states(optimizer)
     if precision not in SUPPORTED_PRECISIONS:
@@ -288,7 +277,7 @@ def estimate_memory(
         unit = _unit_of(module_name, units)
         gathered[unit] = gathered.get(unit, 0) + chunk * shard * rest * compute.itemsize
         reduce_buffer[unit] = reduce_buffer.get(unit, 0) + chunk * shard * rest * reduce.itemsize
-    largest = max(gathered, key=lambda u: gathered[u]) if gathered else _ROOT
+    largest = max(gathered, key=lambda u: gathered[u]) if gathered else ROOT
     unit_bytes = gathered.get(largest, 0)
     grads = unsharded_grads if gradient_accumulation == "unsharded" else sharded
     buffers = sum(
@@ -312,10 +301,10 @@ def estimate_memory(
             checkpointing=plan.activation_checkpointing,
             ac_every=plan.ac_every,
         )
-    moment_name, moment = _worst_moment(
+    moment_name, moment = worst_moment(
         gathered, reduce_buffer, activations, resharding=resharding, accumulate=gradient_accumulation == "unsharded"
     )
-    root = gathered.get(_ROOT, 0) if resharding else sum(gathered.values())
+    root = gathered.get(ROOT, 0) if resharding else sum(gathered.values())
     host = 0
     if cpu_offload:
         host = sharded + optimizer_bytes + (grads if gradient_accumulation == "sharded" else 0)
@@ -339,64 +328,8 @@ def estimate_memory(
         activations=activations,
         moment=moment,
         moment_name=moment_name,
-        setting=_setting(plan, seq_len, micro_batch_size, cp, tp, compute_dtype),
+        setting=setting_label(plan, seq_len, micro_batch_size, cp, tp, _dtype(compute_dtype)),
     )
-
-
-def _worst_moment(
-    gathered: dict[str, int],
-    reduce_buffer: dict[str, int],
-    activations: ActivationEstimate | None,
-    *,
-    resharding: bool,
-    accumulate: bool,
-) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """The largest single extra of backward: the loss's gradients, or one unit's backward (name, parts)."""
-    recompute = activations.recompute if activations is not None else 0
-    candidates: list[tuple[str, tuple[tuple[str, int], ...]]] = []
-    if activations is not None:
-        candidates.append(("loss backward", (("logits gradients (fp32)", activations.loss_backward),)))
-    for unit, size in gathered.items():
-        parts = (
-            ("unit gathered", size if resharding and unit != _ROOT else 0),
-            ("unsharded gradients", 0 if accumulate else size),
-            ("reduce-scatter input", reduce_buffer[unit]),
-            ("recomputed activations", recompute if unit != _ROOT else 0),
-        )
-        candidates.append((f"backward of {unit}", parts))
-    if not candidates:
-        return "", ()
-    return max(candidates, key=lambda c: sum(size for _, size in c[1]))
-
-
-def _setting(plan: ParallelPlan, seq_len: int | None, batch: int, cp: int, tp: int, dtype: torch.dtype) -> str:
-    if seq_len is None:
-        return ""
-    extras = [f"AC {plan.activation_checkpointing}"]
-    extras += [f"every {plan.ac_every}"] * (plan.activation_checkpointing != "none" and plan.ac_every > 1)
-    extras += ["SP"] * (plan.sequence_parallel and tp > 1) + ["LP"] * (plan.loss_parallel and tp > 1)
-    extras += [f"cp {cp}"] * (cp > 1)
-    return f"b {batch} x seq {seq_len}, {_dtype(dtype)}, {', '.join(extras)}"
-
-
-def _check_sequence(seq_len: int | None, batch: int, cp: int, tp: int, plan: ParallelPlan) -> int:
-    """Validate the activation arguments; return the context-parallel size."""
-    for name, value in (("seq_len", seq_len), ("micro_batch_size", batch), ("context_parallel_size", cp)):
-        if value is None and name == "seq_len":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"estimate_memory({name}={value!r}) must be a positive int.")
-    if seq_len is not None:
-        parts = cp * (tp if plan.sequence_parallel and tp > 1 else 1)
-        if seq_len % parts:
-            what = f"context_parallel_size={cp}" + (
-                f" x tensor_parallel_size={tp} (sequence parallel)" if parts != cp else ""
-            )
-            raise ValueError(
-                f"estimate_memory(seq_len={seq_len}) must divide by {what} = {parts}: each rank holds an equal share"
-                " of the tokens. Choose a sequence length that is a multiple of it."
-            )
-    return cp
 
 
 def _layout(data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int) -> MeshLayout:
@@ -456,4 +389,4 @@ def _tp_dim(module: nn.Module, local_name: str, style: StyleSpec, notes: set[str
 def _unit_of(module_name: str, units: list[str]) -> str:
     """The deepest FSDP unit that holds ``module_name`` (``fully_shard`` bottom-up: inner units own theirs)."""
     owners = [u for u in units if module_name == u or module_name.startswith(u + ".")]
-    return max(owners, key=len) if owners else _ROOT
+    return max(owners, key=len) if owners else ROOT

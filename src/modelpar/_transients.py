@@ -1,0 +1,50 @@
+"""FSDP2's transient buffers in a training step, and the worst single moment of backward.
+
+As ``torch/distributed/fsdp/_fully_shard`` allocates them (torch 2.13): the root unit is not resharded after
+forward (``FSDPState._lazy_init`` sets its ``post_forward_mesh_info`` to ``None``), so its parameters stay
+gathered, in the compute dtype, from forward through backward. In a unit's backward its unsharded gradients
+(compute dtype) exist whole until ``foreach_reduce`` has copied them into the reduce-scatter input, a new
+buffer of the unit's padded size in ``reduce_dtype`` (``_fsdp_collectives.foreach_reduce``); both live at once,
+beside the unit's gathered parameters. With ``reshard_after_forward=False`` every unit stays gathered between
+forward and backward.
+
+The peak per rank is then: persistent state + root gathered + activations kept from forward + the worst single
+moment of backward, which is either the loss's gradients or one unit's gathered parameters, unsharded
+gradients, reduce-scatter input and (when it is checkpointed) its recomputed activations. Summing the moment on
+top of every stored activation over-counts by what backward has already freed (a layer's worth at most).
+"""
+
+from __future__ import annotations
+
+from modelpar._activations import ActivationEstimate
+
+__all__ = ["ROOT", "worst_moment"]
+
+#: The root unit's name in the estimate: parameters under no FSDP unit.
+ROOT = "(root)"
+
+
+def worst_moment(
+    gathered: dict[str, int],
+    reduce_buffer: dict[str, int],
+    activations: ActivationEstimate | None,
+    *,
+    resharding: bool,
+    accumulate: bool,
+) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """The largest single extra of backward: the loss's gradients, or one unit's backward (name, parts)."""
+    recompute = activations.recompute if activations is not None else 0
+    candidates: list[tuple[str, tuple[tuple[str, int], ...]]] = []
+    if activations is not None:
+        candidates.append(("loss backward", (("logits gradients (fp32)", activations.loss_backward),)))
+    for unit, size in gathered.items():
+        parts = (
+            ("unit gathered", size if resharding and unit != ROOT else 0),
+            ("unsharded gradients", 0 if accumulate else size),
+            ("reduce-scatter input", reduce_buffer[unit]),
+            ("recomputed activations", recompute if unit != ROOT else 0),
+        )
+        candidates.append((f"backward of {unit}", parts))
+    if not candidates:
+        return "", ()
+    return max(candidates, key=lambda c: sum(size for _, size in c[1]))
