@@ -4,7 +4,8 @@
 minus frees: what the step allocated and still holds when it returns (the activations kept for backward, the
 logits, the loss; with FSDP2, the root's gathered parameters). It sees inside activation checkpointing, which
 hides the tensors it keeps from outer ``saved_tensors_hooks``. ``saved_for_backward`` counts what autograd
-packs, each storage once, parameters and buffers excluded: the same figure without checkpointing.
+packs, each storage once, parameters and buffers excluded: the same figure without checkpointing, and the one
+that works under gloo, whose collectives keep buffers alive past the step that a live-bytes count would see.
 """
 
 from __future__ import annotations
@@ -39,18 +40,35 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
 
 
 def saved_for_backward(model: nn.Module, step: Callable[[], Any]) -> tuple[int, Any]:
-    """(bytes of the distinct storages autograd saves during ``step``, parameters and buffers excluded, result)."""
+    """(bytes of the distinct storages autograd saves during ``step``, parameters and buffers excluded, result).
+
+    Parameters are excluded as each module sees them when its forward starts, so FSDP2's gathered (unsharded)
+    parameters are excluded too. DTensors count their local tensors.
+    """
     owned = {_storage(t).data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
+    saved: dict[Any, int] = {}
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        owned.update(_storage(p).data_ptr() for p in module.parameters(recurse=False))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = _storage(t)
-        if storage.data_ptr() not in owned:
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        local = t.to_local() if isinstance(t, DTensor) else t
+        try:
+            key: Any = local.untyped_storage().data_ptr()
+            size = local.untyped_storage().nbytes()
+        except RuntimeError:  # a tensor subclass without a storage of its own (a collective's pending result)
+            key, size = ("subclass", id(t)), local.numel() * local.element_size()
+        if key not in owned:
+            saved.setdefault(key, size)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = step()
+    hooks = [module.register_forward_pre_hook(before_forward) for module in model.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = step()
+    finally:
+        for hook in hooks:
+            hook.remove()
     return sum(saved.values()), result
 
 
