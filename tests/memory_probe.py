@@ -42,16 +42,16 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
 def saved_for_backward(model: nn.Module, step: Callable[[], Any]) -> tuple[int, Any]:
     """(bytes of the distinct storages autograd saves during ``step``, parameters and buffers excluded, result).
 
-    Parameters are excluded as each module sees them when its forward starts, so FSDP2's gathered (unsharded)
-    parameters are excluded too. DTensors count their local tensors.
+    Parameters are leaves that require grad, FSDP2's gathered (unsharded) ones too, and views of them (a weight's
+    transpose); activations are not. DTensors count their local tensors.
     """
     owned = {_storage(t).data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[Any, int] = {}
 
-    def before_forward(module: nn.Module, args: Any) -> None:
-        owned.update(_storage(p).data_ptr() for p in module.parameters(recurse=False))
-
     def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:  # checked on the DTensor: its `to_local()` is never a leaf
+            return t
         local = t.to_local() if isinstance(t, DTensor) else t
         try:
             key: Any = local.untyped_storage().data_ptr()
@@ -62,13 +62,8 @@ def saved_for_backward(model: nn.Module, step: Callable[[], Any]) -> tuple[int, 
             saved.setdefault(key, size)
         return t
 
-    hooks = [module.register_forward_pre_hook(before_forward) for module in model.modules()]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            result = step()
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = step()
     return sum(saved.values()), result
 
 

@@ -25,8 +25,10 @@ layer input and the outputs of the ops in ``plans._checkpointing.SAVED_OPS``: th
 down projections (the row-parallel ones before their all-reduce: ``b s d a`` each) and attention's output and
 log-sum-exp. Outside the layers: the token ids (int64), the final norm, the LM head's input, the logits the
 step holds (``b s V a``; ``V / tp`` under loss parallelism) and the cross-entropy's fp32 log-probabilities.
-Under context parallelism each attention layer also keeps the all-gathered K and V of the whole sequence
-(:func:`cp_gathered_kv`).
+Under context parallelism (``modelpar.context``'s kernel) each attention layer keeps the all-gathered K and V of
+the whole sequence (:func:`cp_gathered_kv`) instead of the local ones, its output once more (the kernel joins its
+two query chunks head-major, so the projection's input is a copy), and ``modelpar.models.Llama``'s RoPE keeps
+cos / sin indexed by position (``2 x 2 x b s e/2`` fp32 per layer).
 """
 
 from __future__ import annotations
@@ -133,8 +135,10 @@ def _norm(rows: int, width: int, a: int, copies: int) -> int:
 def cp_gathered_kv(shape: DecoderShape, *, batch: int, seq_len: int, tp: int, a: int) -> int:
     """Per attention layer under context parallelism: the K and V of the whole sequence, all-gathered and kept.
 
-    ``2 b S (g / tp) e a``: key-value heads only, as gathered before any grouped-query expansion. Not yet
-    calibrated against the context-parallel kernel; a kernel that keeps the expanded K / V needs ``h`` for ``g``.
+    ``2 b S (g / tp) e a``: key-value heads only, as ``modelpar.context``'s kernel gathers them and SDPA shares
+    them among query heads (``enable_gqa``). Calibrated at cp = 2 (``tests/distributed/test_estimate.py``). On
+    CUDA with a padding mask the kernel repeats the heads first (``share_kv_heads_in_sdpa``): ``h`` for ``g``,
+    which this term does not count.
     """
     return 2 * batch * seq_len * (shape.kv_heads // tp) * shape.head_dim * a
 
@@ -158,13 +162,19 @@ def activation_bytes(
     stream_rows = rows // tp if sequence_parallel else rows
     d, f = shape.hidden, shape.ffn // tp
     h, g, e = shape.heads // tp, shape.kv_heads // tp, shape.head_dim
-    kv_seen = h if shape.repeats_kv else g
+    # Under context parallelism the kernel (modelpar.context) does grouped-query attention inside SDPA and sees
+    # the gathered K/V (a separate term); the local K/V are not kept, and the output is copied once more into
+    # the projection's layout (the kernel concatenates its two query chunks head-major).
+    kv_seen = 0 if cp > 1 else (h if shape.repeats_kv else g)
+    cp_extra = rows * h * e * a if cp > 1 else 0
+    if cp > 1 and not shape.rope_tables:  # modelpar's RoPE indexes cos / sin by position: 2 calls x 2 tables
+        cp_extra += 2 * 2 * rows * (e // 2) * _FP32
     copies = shape.norm_fp32_copies
 
     norms = 2 * _norm(stream_rows, d, a, copies) + 2 * rows * d * a  # two norms and the projections' inputs
     if shape.qk_norm:
         norms += _norm(rows * h, e, a, copies) + _norm(rows * g, e, a, copies)
-    attention = rows * e * (2 * h + 2 * kv_seen) * a + batch * h * s * _FP32
+    attention = rows * e * (2 * h + 2 * kv_seen) * a + batch * h * s * _FP32 + cp_extra
     mlp = 4 * rows * f * a
     full_layer = norms + attention + mlp
     layer_input = stream_rows * d * a
@@ -202,14 +212,14 @@ def check_sequence(seq_len: int | None, batch: int, cp: int, tp: int, plan: Para
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"estimate_memory({name}={value!r}) must be a positive int.")
     if seq_len is not None:
-        parts = cp * (tp if plan.sequence_parallel and tp > 1 else 1)
+        sp = tp if plan.sequence_parallel and tp > 1 else 1
+        parts = (2 * cp if cp > 1 else 1) * sp
         if seq_len % parts:
-            what = f"context_parallel_size={cp}" + (
-                f" x tensor_parallel_size={tp} (sequence parallel)" if parts != cp else ""
-            )
+            what = [f"2 x context_parallel_size={cp} (two load-balanced chunks per rank)"] * (cp > 1)
+            what += [f"tensor_parallel_size={tp} (sequence parallel)"] * (sp > 1)
             raise ValueError(
-                f"estimate_memory(seq_len={seq_len}) must divide by {what} = {parts}: each rank holds an equal share"
-                " of the tokens. Choose a sequence length that is a multiple of it."
+                f"estimate_memory(seq_len={seq_len}) must divide by {' x '.join(what)} = {parts}: each rank holds an"
+                " equal share of the tokens. Choose a sequence length that is a multiple of it."
             )
     return cp
 

@@ -114,7 +114,7 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         layout, offload = self.layout, self.host > 0
-        shard = layout.data_parallel_shard_size
+        shard = layout.fsdp_shard_size
         replicas = f", {layout.data_parallel_replicate_size} replicas" if layout.hsdp else ""
         grads = "unsharded (accumulation)" if self.gradient_accumulation == "unsharded" else "sharded"
         p, c = _dtype(self.param_dtype), _dtype(self.compute_dtype)
@@ -128,7 +128,8 @@ class MemoryEstimate:
         ]
         head = (
             f"Memory per rank: {layout.data_parallel_size} data-parallel (shard group {shard}{replicas}) x"
-            f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
+            + (f" {layout.context_parallel_size} context-parallel x" if layout.context_parallel_size > 1 else "")
+            + f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
         )
         lines = [head, f"{'':<18}{'':<34}{'device':>12}" + (f"{'host':>12}" if offload else "")]
         for name, what, size, on_host in rows:
@@ -223,8 +224,8 @@ def estimate_memory(
             " `parallelize_fn` is code: what it shards is known only by running it on a process group. Describe the"
             " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
         )
-    layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size)
     cp = check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
+    layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size, cp)
     GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
     states = _optimizer_states(optimizer)
     if precision not in SUPPORTED_PRECISIONS:
@@ -236,7 +237,7 @@ def estimate_memory(
             f"{type(model).__name__} is already parallelized (it has DTensor parameters). Estimate on a fresh model"
             " built on the meta device: `with torch.device('meta'): model = MyModel(config)`."
         )
-    tp, shard = layout.tensor_parallel_size, layout.data_parallel_shard_size * cp
+    tp, shard = layout.tensor_parallel_size, layout.fsdp_shard_size
     options = FSDPOptions.resolve(
         mixed_precision=mixed_precision,
         cpu_offload=bool(cpu_offload),  # pinning changes where, not how much
@@ -247,7 +248,7 @@ def estimate_memory(
         strategy_name="estimate_memory",
     )
     policy = plan.mp_policy if plan.mp_policy is not None else options.mp_policy
-    plan.check(model, tp)
+    plan.check(model, tp, cp)
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
     units = resolve_units(model, plan.fsdp_units)
     notes: set[str] = set()
@@ -332,7 +333,9 @@ def estimate_memory(
     )
 
 
-def _layout(data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int) -> MeshLayout:
+def _layout(
+    data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int, cp: int
+) -> MeshLayout:
     sizes = {
         "data_parallel_size": data_parallel_size,
         "tensor_parallel_size": tensor_parallel_size,
@@ -345,7 +348,7 @@ def _layout(data_parallel_size: int, tensor_parallel_size: int, data_parallel_re
                 f'estimate_memory({name}="auto"): an estimate has no cluster to resolve "auto" against. Pass the'
                 " size as an int."
             )
-    world = data_parallel_size * tensor_parallel_size
+    world = data_parallel_size * tensor_parallel_size * cp
     return MeshLayout.resolve(
         data_parallel_size,
         tensor_parallel_size,
@@ -353,6 +356,7 @@ def _layout(data_parallel_size: int, tensor_parallel_size: int, data_parallel_re
         num_nodes=1,
         devices_per_node=world,
         data_parallel_replicate_size=data_parallel_replicate_size,
+        context_parallel_size=cp,
     )
 
 

@@ -86,7 +86,8 @@ def search_layouts(
         except ValueError:
             continue  # heads or a split dim do not divide: not a layout of this model
         for cp in _divisors(world_size // tp):
-            if seq_len % (cp * tp if plan.sequence_parallel else cp):
+            # modelpar.context's load-balanced layout: two chunks per context-parallel rank
+            if seq_len % ((2 * cp if cp > 1 else 1) * (tp if plan.sequence_parallel else 1)):
                 continue
             dp = world_size // (tp * cp)
             for replicate in _divisors(dp):

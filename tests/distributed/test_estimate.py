@@ -83,6 +83,8 @@ ACT_CFG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=
 ACT_BATCH, ACT_SEQ = 2, 64
 # (sequence_parallel, loss_parallel, activation_checkpointing) on 2x2
 ACT_SETTINGS = [(False, False, "none"), (True, False, "none"), (False, True, "none"), (True, True, "none")]
+# (dp, tp, sequence_parallel, loss_parallel) with context_parallel_size=2 (modelpar.context's kernel)
+CP_SETTINGS = [(2, 1, False, False), (1, 2, True, True)]
 
 
 def case_activations(sequence_parallel: bool, loss_parallel_: bool, checkpointing: str) -> dict[str, int]:
@@ -117,10 +119,44 @@ def case_activations(sequence_parallel: bool, loss_parallel_: bool, checkpointin
     return {"measured": measured, "estimated": estimate.stored_activations}
 
 
+def case_context_parallel(dp: int, tp: int, sequence_parallel: bool, loss_parallel_: bool) -> dict[str, int]:
+    from modelpar.context import cross_entropy, shard_batch
+
+    plan = LLAMA_PLAN.replace(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel_)
+    fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=plan, context_parallel_size=2)
+    mesh = fabric.strategy.device_mesh
+    torch.manual_seed(0)
+    model = fabric.setup_module(Llama(ACT_CFG))
+    tokens = torch.randint(0, ACT_CFG.vocab_size, (ACT_BATCH, ACT_SEQ), generator=torch.Generator().manual_seed(3))
+    batch = shard_batch({"input_ids": tokens, "labels": tokens}, mesh)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(batch["input_ids"], batch["position_ids"])
+        with loss_parallel(logits):
+            return logits, cross_entropy(logits, batch["labels"], mesh)
+
+    saved, (logits, _) = saved_for_backward(model, step)
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    with torch.device("meta"):
+        meta = Llama(ACT_CFG)
+    estimate = estimate_memory(
+        meta,
+        plan=plan,
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        context_parallel_size=2,
+        seq_len=ACT_SEQ,
+        micro_batch_size=ACT_BATCH,
+    )
+    return {"measured": saved + local.numel() * local.element_size(), "estimated": estimate.stored_activations}
+
+
 def grid() -> dict[tuple[Any, ...], dict[str, Any]]:
     results: dict[tuple[Any, ...], dict[str, Any]] = {layout: case_measure(*layout) for layout in LAYOUTS}
     for setting in ACT_SETTINGS:
         results[("activations", *setting)] = case_activations(*setting)
+    for layout in CP_SETTINGS:
+        results[("context_parallel", *layout)] = case_context_parallel(*layout)
     return results
 
 
@@ -153,4 +189,11 @@ def test_estimate_equals_what_rank_0_holds_and_bounds_every_rank_within_padding(
 def test_estimated_activations_are_within_10_percent_of_what_every_rank_keeps_for_backward(results, setting):
     for rank, by_case in enumerate(results):
         result = by_case[("activations", *setting)]
+        assert abs(result["estimated"] - result["measured"]) <= 0.10 * result["measured"], (rank, result)
+
+
+@pytest.mark.parametrize("layout", CP_SETTINGS, ids=lambda s: "dp{}-tp{}-cp2-sp{}-lp{}".format(*s))
+def test_estimated_activations_under_context_parallelism_are_within_10_percent(results, layout):
+    for rank, by_case in enumerate(results):
+        result = by_case[("context_parallel", *layout)]
         assert abs(result["estimated"] - result["measured"]) <= 0.10 * result["measured"], (rank, result)

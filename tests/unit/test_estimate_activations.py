@@ -128,7 +128,10 @@ def test_tensor_and_loss_parallel_split_the_logits():
 def test_bad_activation_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"estimate_memory\(seq_len=0\) must be a positive int"):
         estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=1, seq_len=0)
-    with pytest.raises(ValueError, match=r"seq_len=33\) must divide by context_parallel_size=2 = 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"seq_len=33\) must divide by 2 x context_parallel_size=2 \(two load-balanced chunks per rank\) = 4",
+    ):
         estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=1, seq_len=33, context_parallel_size=2)
     plain = torch.nn.Linear(4, 4, device="meta")
     from modelpar.plans import ParallelPlan

@@ -288,7 +288,7 @@ def test_cli_search_refuses_missing_or_bad_arguments(tmp_path, capsys):
     assert main([*argv, "--gpu-memory", "lots"]) == 2
     assert "error: --gpu-memory 'lots' is not a memory size" in capsys.readouterr().err
     assert main(["estimate", "--llama", config, "--seq-len", "9", "--cp", "2"]) == 2
-    assert "must divide by context_parallel_size=2" in capsys.readouterr().err
+    assert "must divide by 2 x context_parallel_size=2" in capsys.readouterr().err
 
 
 def test_cli_prints_the_peak_with_activations(capsys):
