@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -95,6 +96,10 @@ def main() -> None:
         losses = train(fabric, model, optimizer, 1, STEPS, fabric.global_rank, fabric.world_size, on_step=save)
         if fabric.global_rank == 0:
             (args.dir / "fsdp1-losses.json").write_text(json.dumps(losses))
+        # Lightning's FSDPStrategy leaves the gloo group to interpreter shutdown, where a gloo worker thread can
+        # abort the finished process (exit -6, rare); modelpar's strategy does this for you at exit.
+        torch.distributed.destroy_process_group()
+        time.sleep(0.02)  # let gloo's threads release their tensors while the interpreter is whole
         return
 
     # --- after: modelpar, FSDP2 + tensor parallelism; the checkpoint is resharded on load ----------------
