@@ -119,3 +119,14 @@ def setup_pair(fabric: Fabric, lr: float = 1e-2) -> tuple[Any, Any, Llama, torch
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     return model, optimizer, ref, ref_opt
+
+
+def lightning_style_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """A ``parallelize_fn`` written for Lightning's strategy: FSDP on ``device_mesh["data_parallel"]``, no options,
+    attention left alone (what HSDP and context parallelism must refuse or handle)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:  # type: ignore[union-attr]
+        fully_shard(block, mesh=device_mesh["data_parallel"])
+    fully_shard(model, mesh=device_mesh["data_parallel"])
+    return model

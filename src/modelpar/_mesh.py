@@ -407,16 +407,24 @@ def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
 
 
 def context_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh | None:
-    """The 1-D ``"context_parallel"`` axis of a strategy mesh, or ``None`` when the mesh has none (``cp = 1``)."""
-    names = device_mesh.mesh_dim_names or ()
+    """The 1-D ``"context_parallel"`` axis of a strategy mesh, or ``None`` when the mesh has none (``cp = 1``).
+
+    A bare 1-D mesh named ``("context_parallel",)`` is that axis itself (no slicing on every attention call).
+    """
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if names == (CONTEXT_PARALLEL_AXIS,):
+        return device_mesh
     return device_mesh[CONTEXT_PARALLEL_AXIS] if CONTEXT_PARALLEL_AXIS in names else None
 
 
 def token_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of every rank that sees distinct tokens: ``"data_parallel_context_parallel"`` under context
     parallelism, ``"data_parallel"`` otherwise (tensor-parallel peers see the same tokens and are left out).
+    A bare 1-D ``("context_parallel",)`` mesh is its own token mesh.
     """
-    names = device_mesh.mesh_dim_names or ()
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if names == (CONTEXT_PARALLEL_AXIS,):
+        return device_mesh
     if CONTEXT_PARALLEL_AXIS in names:
         return device_mesh[TOKEN_AXIS]
     return device_mesh[MESH_AXES[0]]

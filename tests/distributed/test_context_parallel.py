@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from modelpar.context import cross_entropy, shard_batch
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, ParallelPlan, loss_parallel
-from parity import assert_matches, local_slice, make_fabric
+from parity import assert_matches, lightning_style_fsdp, local_slice, make_fabric
 
 pytest.importorskip("transformers")
 
@@ -231,14 +231,6 @@ def case_activation_bytes_per_rank_fall_as_one_over_cp() -> dict[int, int]:
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
-def _lightning_style(model: nn.Module, device_mesh: Any) -> nn.Module:
-    """FSDP on ``device_mesh["data_parallel"]`` only, and the attention kernel left alone."""
-    for block in model.layers:  # type: ignore[union-attr]
-        fully_shard(block, mesh=device_mesh["data_parallel"])
-    fully_shard(model, mesh=device_mesh["data_parallel"])
-    return model
-
-
 def _error(fn: Any) -> str:
     try:
         fn()
@@ -258,7 +250,7 @@ def case_bad_input_is_refused_on_every_rank() -> dict[str, str]:
 
     errors: dict[str, str] = {}
     for name, fn in {
-        "fsdp_on_dp_only": _lightning_style,
+        "fsdp_on_dp_only": lightning_style_fsdp,
         "kernel_not_replaced": sharded_without_kernel,
         "plan_without_attention": ParallelPlan(fsdp_units=("layers.*",)),
     }.items():

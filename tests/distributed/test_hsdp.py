@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -23,6 +23,7 @@ from parity import (
     CFG,
     assert_matches,
     global_batches,
+    lightning_style_fsdp,
     lm_loss,
     local_slice,
     make_fabric,
@@ -32,14 +33,6 @@ from parity import (
 
 STEPS = 3
 HSDP_AXES = ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel")
-
-
-def _lightning_style(model: nn.Module, device_mesh: Any) -> nn.Module:
-    """A parallelize_fn written for Lightning's strategy: FSDP on ``device_mesh["data_parallel"]``, no options."""
-    for block in model.layers:  # type: ignore[union-attr]
-        fully_shard(block, mesh=device_mesh["data_parallel"])
-    fully_shard(model, mesh=device_mesh["data_parallel"])
-    return model
 
 
 def _error(fn: Any) -> str:
@@ -156,7 +149,7 @@ def case_policies_observed() -> dict[str, Any]:
     for name, precision, kwargs, fn in (
         ("bf16_policy", "bf16-mixed", {}, None),
         ("bf16_autocast", "bf16-mixed", {"mixed_precision": MixedPrecisionPolicy()}, None),
-        ("bf16_lightning_fn", "bf16-mixed", {}, _lightning_style),
+        ("bf16_lightning_fn", "bf16-mixed", {}, lightning_style_fsdp),
         ("offload_no_reshard", "32-true", {"cpu_offload": True, "reshard_after_forward": False}, None),
     ):
         extra = {"parallelize_fn": fn} if fn is not None else {}
@@ -254,10 +247,10 @@ def case_misuse_fails_on_every_rank() -> dict[str, str]:
     """Plain FSDP where HSDP was asked, and explicit options a parallelize_fn ignores, raise the fix."""
     out = {}
     fabric = make_fabric(
-        4, 1, world_size=4, num_nodes=2, data_parallel_replicate_size=2, parallelize_fn=_lightning_style
+        4, 1, world_size=4, num_nodes=2, data_parallel_replicate_size=2, parallelize_fn=lightning_style_fsdp
     )
     out["flattened"] = _error(lambda: fabric.setup_module(reference_model()))
-    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, parallelize_fn=_lightning_style, cpu_offload=True)
+    fabric = make_fabric(4, 1, world_size=4, num_nodes=2, parallelize_fn=lightning_style_fsdp, cpu_offload=True)
     out["ignored"] = _error(lambda: fabric.setup_module(reference_model()))
     return out
 

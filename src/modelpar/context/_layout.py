@@ -23,7 +23,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from modelpar._mesh import CONTEXT_PARALLEL_AXIS, context_parallel_mesh, token_mesh
+from modelpar._mesh import context_parallel_mesh
 
 __all__ = [
     "check_sequence_length",
@@ -31,29 +31,14 @@ __all__ = [
     "gather_sequence",
     "load_balanced_positions",
     "shard_sequence",
-    "tokens_mesh",
     "unshard_sequence",
 ]
 
 
 def context_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The 1-D context-parallel axis of ``device_mesh``, or ``None`` when there is none or it holds one rank."""
-    if device_mesh is None:
-        return None
-    if tuple(device_mesh.mesh_dim_names or ()) == (CONTEXT_PARALLEL_AXIS,):
-        mesh: DeviceMesh | None = device_mesh  # already the axis: no slicing on every attention call
-    else:
-        mesh = context_parallel_mesh(device_mesh)
-    if mesh is None or mesh.size() == 1:
-        return None
-    return mesh
-
-
-def tokens_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
-    """Every rank that sees distinct tokens: the token axis of a strategy mesh, or a bare 1-D context axis itself."""
-    if tuple(device_mesh.mesh_dim_names or ()) == (CONTEXT_PARALLEL_AXIS,):
-        return device_mesh
-    return token_mesh(device_mesh)
+    mesh = context_parallel_mesh(device_mesh) if device_mesh is not None else None
+    return mesh if mesh is not None and mesh.size() > 1 else None
 
 
 def check_sequence_length(seq_len: int, cp_size: int, *, what: str = "The sequence") -> None:

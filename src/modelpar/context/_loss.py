@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from modelpar.context._layout import tokens_mesh
+from modelpar._mesh import token_mesh
 
 __all__ = ["cross_entropy"]
 
@@ -38,7 +38,7 @@ def cross_entropy(
             f"`logits` {tuple(logits.shape)} must be `labels` {tuple(labels.shape)} plus a vocabulary dim. Pass the"
             " labels of this rank's shard (from `shard_batch`), already shifted."
         )
-    mesh = tokens_mesh(device_mesh)
+    mesh = token_mesh(device_mesh)
     count = (labels != ignore_index).sum()
     if mesh.size() > 1:
         dist.all_reduce(count, group=mesh.get_group())
