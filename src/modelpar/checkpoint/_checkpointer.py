@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
@@ -37,6 +36,7 @@ from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_er
 from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, reuse_as_staging, staging_path
 from modelpar.checkpoint._dcp_read import root_cause
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, replaceable_folder
+from modelpar.checkpoint._overwrite import local_writer, open_over
 from modelpar.checkpoint._remote import (
     Location,
     RemotePath,
@@ -184,7 +184,8 @@ class Checkpointer:
                 if isinstance(path, RemotePath):  # one object: visible once its upload completes
                     upload_file(path, lambda file: torch.save(payload, file))
                     return
-                torch.save(payload, staged)
+                with open_over(staged) as file:  # the previous checkpoint set aside, written over in place
+                    torch.save(payload, file)
                 commit(path, staged, token, discard=self._set_aside)
 
             self._run(f"Writing the checkpoint {where}", write_file, leader)
@@ -198,7 +199,7 @@ class Checkpointer:
             # Each rank's writer fsyncs the shard files it wrote, right after writing each (``sync_files``),
             # before DCP's closing gather of the ranks' results: so every shard is durable before rank 0 writes
             # ``.metadata`` and commits, and rank 0 fsyncs only the metadata and the folders (``shards_synced``).
-            writer = FileSystemWriter(staged, sync_files=True, overwrite=True)
+            writer = local_writer(staged, sync_files=True, overwrite=True)
 
         def commit_synced() -> None:
             if isinstance(path, RemotePath):
