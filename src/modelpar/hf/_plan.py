@@ -11,27 +11,16 @@ sets the model up, and pass it as the ``parallelize_fn``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from modelpar.hf._styles import HF_REFUSED, HF_STYLES, SKIP, refused, translate
 from modelpar.plans import ActivationCheckpointing, ParallelPlan
+from modelpar.plans._checks import matches
+from modelpar.plans._styles import StyleSpec
 
-__all__ = ["HF_STYLES", "plan_for"]
-
-#: Hugging Face ``tp_plan`` style -> what :func:`plan_for` makes of it (see ``docs/huggingface.md``).
-HF_STYLES: Mapping[str, str] = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "colwise_gather_output": "colwise_gather ('output' on the LM head)",
-    "colwise_rep": "colwise_gather ('output' on the LM head)",
-    "embedding_rowwise": "embedding",
-    "sequence_parallel": "norm",
-    "replicated_with_grad_allreduce": "replicated, gradient summed over the tensor-parallel ranks",
-}
+__all__ = ["HF_REFUSED", "HF_STYLES", "plan_for"]
 
 
 def plan_for(
@@ -51,12 +40,17 @@ def plan_for(
     ``torch.device("meta")``); only its names, types, config and class are read. The plan:
 
     - tensor parallelism from ``model.config.base_model_tp_plan`` (prefixed with ``model.base_model_prefix``
-      when the model has a head) and the class's ``_tp_plan``: ``"colwise"`` -> ``"colwise"``, ``"rowwise"``
-      -> ``"rowwise"``, ``"colwise_gather_output"`` -> ``"output"`` on the LM head (vocab-sharded logits with
-      ``loss_parallel``), ``"colwise_gather"`` elsewhere, ``"embedding_rowwise"`` -> ``"embedding"``,
-      ``"sequence_parallel"`` -> ``"norm"``, ``"replicated_with_grad_allreduce"`` (Qwen3's per-head
-      ``q_norm`` / ``k_norm``) -> parameters replicated on the tensor-parallel ranks, the input marked as
-      split over heads, so each rank's partial gradient is summed. Another style is a ``ValueError``;
+      when the model has a head) and the class's ``_tp_plan``, each style translated as :data:`HF_STYLES` says:
+      ``"colwise"`` -> ``"colwise"``, ``"rowwise"`` -> ``"rowwise"``, ``"colwise_gather_output"`` -> ``"output"``
+      on the LM head (vocab-sharded logits with ``loss_parallel``), ``"colwise_gather"`` elsewhere,
+      ``"rowwise_split_input"`` -> a row-parallel layer that splits its replicated input locally,
+      ``"embedding_rowwise"`` -> ``"embedding"``, ``"sequence_parallel"`` -> ``"norm"``,
+      ``"replicated_with_grad_allreduce"`` (Qwen3's per-head ``q_norm`` / ``k_norm``) -> parameters replicated
+      on the tensor-parallel ranks, the input marked as split over heads, so each rank's partial gradient is
+      summed; ``"mla_kv_a_proj"`` -> replicated, the rope part's gradient summed. Entries matching nothing in
+      this model are left out, as transformers does. The styles in :data:`HF_REFUSED` (the tensor-parallel
+      experts of MoE models ...) raise :class:`~modelpar.hf._styles.RefusedStyleError` (a ``ValueError`` and
+      ``NotImplementedError``) with the reason; an unknown style is a ``ValueError``;
     - with tied word embeddings the LM head keeps its (shared) weight replicated, since sharding it would
       untie it; ``loss_parallel`` then has nothing to shard and is refused;
     - FSDP units: the modules of the classes in ``model._no_split_modules`` (the decoder layers), else the
@@ -92,17 +86,28 @@ def plan_for(
         )
     head = _output_embeddings_name(model)
     tied = _tied_head(model)
-    tensor_parallel: dict[str, str | ParallelStyle] = {}
-    for pattern, hf_style in hf_plan.items():
+    modules = dict(model.named_modules())
+    parameters = [name for name, _ in model.named_parameters()]
+    # A model without experts (or with a dense layer variant) leaves some patterns unmatched: transformers skips
+    # those entries too. A refused style anywhere is refused, `moe_tp_experts` first as the reason behind its parts.
+    present = {p: s for p, s in hf_plan.items() if any(matches(p, n) for n in (*modules, *parameters) if n)}
+    for pattern, hf_style in sorted(present.items(), key=lambda item: item[1] != "moe_tp_experts"):
+        if hf_style in HF_REFUSED:
+            raise refused(pattern, hf_style)
+    tensor_parallel: dict[str, StyleSpec] = {}
+    for pattern, hf_style in present.items():
         on_head = head is not None and pattern == head
         if on_head and tied:
             continue  # sharding the head's weight would untie it from the embeddings: keep it replicated
-        tensor_parallel[pattern] = _style(pattern, hf_style, on_head=on_head)
+        module = next((m for n, m in modules.items() if n and matches(pattern, n)), None)
+        style = translate(pattern, hf_style, module, on_head=on_head, config=config)
+        if style != SKIP:
+            tensor_parallel[pattern] = style
     if loss_parallel and "output" not in tensor_parallel.values():
         why = (
             "its LM head shares its weight with the input embeddings (tied), so the head stays replicated"
             if tied
-            else "its tensor-parallel plan does not split the LM head"
+            else "its tensor-parallel plan does not split the LM head's vocabulary"
         )
         raise ValueError(
             f"plan_for(..., loss_parallel=True): {type(model).__name__} cannot keep its logits vocab-sharded:"
@@ -134,27 +139,6 @@ def _hf_tp_plan(model: nn.Module) -> dict[str, str]:
     plan = {prefix + pattern: style for pattern, style in base_plan.items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
     return plan
-
-
-def _style(pattern: str, hf_style: Any, *, on_head: bool) -> str | ParallelStyle:
-    if hf_style in ("colwise", "rowwise"):
-        return str(hf_style)
-    if hf_style in ("colwise_gather_output", "colwise_rep"):
-        return "output" if on_head else "colwise_gather"
-    if hf_style == "embedding_rowwise":
-        return "embedding"
-    if hf_style == "sequence_parallel":
-        return "norm"
-    if hf_style == "replicated_with_grad_allreduce":
-        # The module (a per-head norm between column- and row-parallel projections) sees this rank's heads only.
-        # Its parameters become replicated DTensors and its input is declared split on the heads dim (-2), so
-        # DTensor sums the ranks' partial gradients; the output goes back to a local tensor.
-        return SequenceParallel(sequence_dim=-2, use_local_output=True)
-    raise ValueError(
-        f"The Hugging Face tensor-parallel plan maps {pattern!r} to the style {hf_style!r}, which modelpar does not"
-        f" translate. Supported styles: {list(HF_STYLES)}. Write a `modelpar.plans.ParallelPlan` for this model,"
-        " or take `plan_for(model).tensor_parallel` as a start and replace that entry."
-    )
 
 
 def _output_embeddings_name(model: nn.Module) -> str | None:
