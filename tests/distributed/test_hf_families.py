@@ -1,7 +1,9 @@
 """Hugging Face families sharded by their own plan (``modelpar.hf.plan_for``), trained like one process.
 
 One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Qwen3 (per-head ``q_norm`` /
-``k_norm``, replicated with summed gradients) and Mistral at 2 (data) x 2 (tensor), Qwen3 with loss parallelism
+``k_norm``, replicated with summed gradients), Mistral, OLMo2, Phi-3 and GLM-4 (gathered projections before a
+row-wise layer that splits its replicated input: ``rowwise_split_input``) and MiniCPM3 (MLA: ``mla_kv_a_proj``)
+at 2 (data) x 2 (tensor), Qwen3 with loss parallelism
 and selective activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
 built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
 ``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
@@ -26,8 +28,12 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     GptOssConfig,
+    Glm4Config,
     LlamaConfig,
+    MiniCPM3Config,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -44,6 +50,14 @@ FAMILIES: dict[str, Any] = {
     "qwen2": lambda: Qwen2Config(**TINY_SIZES),
     "qwen3": lambda: Qwen3Config(head_dim=8, **TINY_SIZES),
     "mistral": lambda: MistralConfig(**TINY_SIZES),
+    # Gathered attention projections and a row-wise o_proj / down_proj that splits its replicated input.
+    "olmo2": lambda: Olmo2Config(**TINY_SIZES),
+    "phi3": lambda: Phi3Config(**TINY_SIZES, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "glm4": lambda: Glm4Config(**TINY_SIZES, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # MLA: the rope part of kv_a_proj_with_mqa's output reaches every head, so its gradient is summed.
+    "minicpm3": lambda: MiniCPM3Config(
+        **TINY_SIZES, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16
+    ),
 }
 
 
@@ -123,6 +137,10 @@ def grid(root: Path) -> dict[str, Any]:
         "qwen2_2x2": lambda: case(root / "qwen2", 2, 2, steps=2),
         "qwen3_2x2": lambda: case(root / "qwen3", 2, 2, steps=3),
         "mistral_2x2": lambda: case(root / "mistral", 2, 2, steps=2),
+        "olmo2_2x2": lambda: case(root / "olmo2", 2, 2, steps=3),
+        "phi3_2x2": lambda: case(root / "phi3", 2, 2, steps=3),
+        "glm4_2x2": lambda: case(root / "glm4", 2, 2, steps=2),
+        "minicpm3_2x2": lambda: case(root / "minicpm3", 2, 2, steps=3),
         "llama_loss_parallel_2x2": lambda: case(root / "llama", 2, 2, steps=2, loss_parallel=True),
         "qwen3_hsdp_loss_parallel_selective_ac_2x1x2": lambda: case(
             root / "qwen3",
@@ -160,6 +178,15 @@ def test_llama_qwen2_qwen3_and_mistral_train_at_2x2_like_one_process_from_pretra
     print({name: out["seconds"] for name, out in results[0].items()})
     for r in results:
         for name in ("llama_2x2", "qwen2_2x2", "qwen3_2x2", "mistral_2x2"):
+            assert r[name]["mesh"] == (2, 2), name
+            assert r[name]["logits"] == "plain", name
+            assert r[name]["losses"][-1] < r[name]["losses"][0], name
+
+
+def test_olmo2_phi3_glm4_and_minicpm3_train_at_2x2_like_one_process_from_pretrained(results):
+    # Before: plan_for refused 'rowwise_split_input' (OLMo2, Phi-3, GLM-4) and 'mla_kv_a_proj' (MiniCPM3).
+    for r in results:
+        for name in ("olmo2_2x2", "phi3_2x2", "glm4_2x2", "minicpm3_2x2"):
             assert r[name]["mesh"] == (2, 2), name
             assert r[name]["logits"] == "plain", name
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
@@ -215,8 +242,8 @@ def test_plan_for_keeps_a_tied_lm_head_replicated_and_refuses_loss_parallel_for_
 
 def test_plan_for_refuses_an_unknown_style_naming_it_the_pattern_and_the_supported_ones():
     config = FAMILIES["llama"]()
-    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.up_proj": "packed_colwise"}
-    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.up_proj' to the style 'packed_colwise'.*'colwise'"):
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.up_proj": "fancy_colwise"}
+    with pytest.raises(ValueError, match=r"'model\.layers\.\*\.mlp\.up_proj' to the style 'fancy_colwise'.*'colwise'"):
         plan_for(_meta_model(config))
 
 
