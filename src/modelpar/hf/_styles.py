@@ -68,6 +68,16 @@ HF_REFUSED: Mapping[str, str] = {
         "an identity expert beside tensor-parallel experts is not supported yet, since expert tensor"
         f" parallelism is not ('moe_tp_experts'). {_EXPERTS_FIX}"
     ),
+    "grouped_gemm": (
+        "an expert-parallel style (transformers' `base_model_ep_plan`, which `plan_for` does not read) is not a"
+        " tensor-parallel layout: expert parallelism is not supported by `plan_for` yet. Use"
+        " `tensor_parallel_size=1` or the model's `base_model_tp_plan`"
+    ),
+    "ep_dispatch_experts": (
+        "an expert-parallel style (transformers' `base_model_ep_plan`, which `plan_for` does not read) is not a"
+        " tensor-parallel layout: expert parallelism is not supported by `plan_for` yet. Use"
+        " `tensor_parallel_size=1` or the model's `base_model_tp_plan`"
+    ),
     "local_params": (
         "a module run on its local shards (`local_params`, with a bare parameter such as attention sinks split"
         " per head) is not supported yet: its DTensor parameters would meet the attention kernel's plain"
