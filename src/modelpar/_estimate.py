@@ -381,7 +381,7 @@ def _tp_dim(module: nn.Module, local_name: str, style: StyleSpec, notes: set[str
         return 0 if column and local_name == "bias" else None
     if isinstance(module, nn.Embedding) and (column or row) and local_name == "weight":
         return 1 if column else 0
-    if isinstance(style, (str, *_REPLICATING)):
+    if isinstance(style, (str, *_REPLICATING)) or getattr(style, "replicates_parameters", False):
         return None  # norm, sequence_gather: parameters replicated (or untouched) on the tensor-parallel ranks
     notes.add(
         f"{module_name!r}: {type(style).__name__} on {type(module).__name__} is counted unsplit (the estimate knows"

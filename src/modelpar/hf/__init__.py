@@ -21,5 +21,6 @@ from modelpar.hf._export import export_checkpoint  # noqa: E402  (after the chec
 from modelpar.hf._load import load_pretrained  # noqa: E402
 from modelpar.hf._plan import plan_for  # noqa: E402
 from modelpar.hf._save import save_pretrained  # noqa: E402
+from modelpar.hf._styles import RefusedStyleError  # noqa: E402
 
-__all__ = ["load_pretrained", "save_pretrained", "export_checkpoint", "plan_for"]
+__all__ = ["RefusedStyleError", "load_pretrained", "save_pretrained", "export_checkpoint", "plan_for"]

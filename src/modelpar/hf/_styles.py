@@ -185,6 +185,8 @@ class RopeGradientSum(ParallelStyle):
     replicated DTensor whose local gradient is declared ``Partial``).
     """
 
+    replicates_parameters = True  # read by the memory estimate: the weight is counted whole on every rank
+
     def __init__(self, rope_dim: int) -> None:
         super().__init__()
         self.rope_dim = rope_dim
