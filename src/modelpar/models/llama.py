@@ -1,9 +1,14 @@
-"""A compact Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+"""A compact Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), with an optional MoE variant.
 
 Module names follow torchtitan's (``attention.wq``, ``feed_forward.w1`` ...) so that
 ``modelpar.plans.llama`` applies to it and to models written the same way. Every module that owns
 tensors defines ``reset_parameters()``, so the model can be built on the meta device and materialized
 shard by shard. Attention reshapes with ``-1`` heads, so it runs unchanged on tensor-parallel shards.
+
+``LlamaConfig(n_experts=E, top_k=k)`` makes the feed-forward of every ``moe_every``-th block a mixture of experts
+(``layers.*.moe``, torchtitan's Llama 4 naming; see ``modelpar.models.moe``); after each forward the model's
+``aux_loss`` holds ``aux_loss_coef x`` load-balancing loss ``+ z_loss_coef x`` router z-loss, summed over its MoE
+blocks, for the training loss to add.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from modelpar.models.moe import MoE
 
 __all__ = ["Llama", "LlamaConfig", "causal_attention"]
 
@@ -29,6 +36,17 @@ class LlamaConfig:
     max_seq_len: int = 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    #: Experts per MoE feed-forward; 0: a dense model.
+    n_experts: int = 0
+    top_k: int = 2
+    #: Hidden size of each expert; 0: ``ffn_hidden``.
+    moe_hidden: int = 0
+    #: Every ``moe_every``-th block (the 1st, ``1 + moe_every``-th, ...) has a MoE feed-forward, the rest dense.
+    moe_every: int = 1
+    #: Renormalize the top-k router probabilities to sum to 1 (Mixtral, Qwen3-MoE).
+    norm_topk: bool = True
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
 
     @property
     def head_dim(self) -> int:
@@ -133,16 +151,24 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.moe: MoE | None = None
+        self.feed_forward: FeedForward | None = None
+        if cfg.n_experts and layer_id % cfg.moe_every == 0:
+            hidden = cfg.moe_hidden or cfg.ffn_hidden
+            self.moe = MoE(cfg.dim, hidden, cfg.n_experts, cfg.top_k, norm_topk=cfg.norm_topk)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, positions)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None  # one of them is set in __init__; not user-facing
+        return h + ffn(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
@@ -153,12 +179,19 @@ class Llama(nn.Module):
                 f"LlamaConfig(dim={cfg.dim}, n_heads={cfg.n_heads}, n_kv_heads={cfg.n_kv_heads}): dim must be a"
                 " multiple of n_heads, and n_heads a multiple of n_kv_heads."
             )
+        if cfg.n_experts < 0 or cfg.moe_every < 1:
+            raise ValueError(
+                f"LlamaConfig(n_experts={cfg.n_experts}, moe_every={cfg.moe_every}): n_experts must be >= 0 (0: dense)"
+                " and moe_every >= 1."
+            )
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, layer_id) for layer_id in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        #: After a forward of a MoE model: the weighted auxiliary losses of its MoE blocks (add it to the loss).
+        self.aux_loss: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for ``tokens`` of shape (batch, seq).
@@ -167,6 +200,11 @@ class Llama(nn.Module):
         shard under context parallelism (``modelpar.context.shard_batch`` makes them); ``0 .. seq-1`` if left out.
         """
         h = self.tok_embeddings(tokens)
+        aux: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer(h, self.rope, positions)
+            moe = layer.moe
+            if moe is not None and moe.load_balance_loss is not None and moe.z_loss is not None:
+                aux.append(self.config.aux_loss_coef * moe.load_balance_loss + self.config.z_loss_coef * moe.z_loss)
+        self.aux_loss = torch.stack(aux).sum() if aux else None
         return self.output(self.norm(h))
