@@ -27,6 +27,7 @@ from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._materialize import has_meta_tensors
 from modelpar._mesh import (
     CONTEXT_PARALLEL_AXIS,
+    EXPERT_PARALLEL_AXIS,
     HSDP_MESH_AXES,
     MESH_AXES,
     SHARD_CONTEXT_AXIS,
@@ -34,6 +35,7 @@ from modelpar._mesh import (
     MeshLayout,
     SizeArg,
     check_context_parallel_size,
+    check_expert_parallel_size,
     check_size_arg,
 )
 from modelpar._placement import materialize, move_to_device, offloads
@@ -76,6 +78,7 @@ class ParallelCore:
         storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
@@ -87,6 +90,7 @@ class ParallelCore:
         check_size_arg("tensor_parallel_size", tensor_parallel_size)
         check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
         check_context_parallel_size(context_parallel_size)
+        check_expert_parallel_size(expert_parallel_size)
         _check_fsdp_args(mixed_precision, cpu_offload, reshard_after_forward)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(
@@ -101,6 +105,7 @@ class ParallelCore:
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_replicate_size = data_parallel_replicate_size
         self.context_parallel_size = context_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
@@ -168,6 +173,7 @@ class ParallelCore:
             per_node_known=self.per_node_known,
             data_parallel_replicate_size=self.data_parallel_replicate_size,
             context_parallel_size=self.context_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
         )
         self.fsdp_options = FSDPOptions.resolve(
             mixed_precision=self.mixed_precision,
@@ -215,6 +221,8 @@ class ParallelCore:
         """Every axis a group can be named by: the mesh's own, plus the flattened ones (HSDP, context parallel)."""
         names = list(self.device_mesh.mesh_dim_names or ())
         flattened = [MESH_AXES[0]] if MESH_AXES[0] not in names else []
+        if EXPERT_PARALLEL_AXIS in names and HSDP_MESH_AXES[0] in names:
+            flattened.append(HSDP_MESH_AXES[1])
         if CONTEXT_PARALLEL_AXIS in names:
             flattened.append(TOKEN_AXIS)
             if HSDP_MESH_AXES[0] in names:
@@ -273,6 +281,7 @@ class ParallelCore:
             module = result  # type: ignore[assignment]
         offloading = self._check_fsdp_applied(module)
         self._check_context_parallel_applied(module)
+        self._check_expert_parallel_applied(module)
         offload = offloads(
             offloading, root_device=root_device, has_meta=has_meta_tensors(module), strategy_name=self.strategy_name
         )
@@ -363,6 +372,29 @@ class ParallelCore:
                 " which replaces the kernel, or in your `parallelize_fn` set each attention module's kernel to"
                 " `modelpar.context.ContextParallelAttention(device_mesh)` (Hugging Face models:"
                 " `modelpar.context.use_context_parallel_attention(model, device_mesh)`)."
+            )
+
+    def _check_expert_parallel_applied(self, module: nn.Module) -> None:
+        """Under expert parallelism, some expert weights must be split over the expert axis.
+
+        Otherwise every rank of the expert axis keeps all experts (the layout's memory saving is gone) while the
+        strategy's mesh and any estimate say they are split; a plan names its MoE modules (``experts=``), a
+        hand-written ``parallelize_fn`` calls ``modelpar.moe.parallelize_experts``.
+        """
+        layout = self.layout
+        if layout is None or layout.expert_parallel_size == 1:
+            return
+        if not any(
+            isinstance(p, DTensor) and EXPERT_PARALLEL_AXIS in (p.device_mesh.mesh_dim_names or ())
+            for p in module.parameters()
+        ):
+            raise ValueError(
+                f"Expert parallelism was asked for (`expert_parallel_size={layout.expert_parallel_size}`), but no"
+                " parameter of the model is split over the expert axis after `parallelize_fn`: every rank would keep"
+                " every expert. Use a plan that names the MoE modules (`modelpar.plans.LLAMA_MOE_PLAN`,"
+                " `ParallelPlan(experts=('layers.*.moe',), ...)`), or call"
+                " `modelpar.moe.parallelize_experts(moe_module, device_mesh)` in your `parallelize_fn` before"
+                " `fully_shard`; or set `expert_parallel_size=1`."
             )
 
     def _warn_if_unsharded(self, module: nn.Module) -> None:

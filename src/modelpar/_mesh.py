@@ -19,6 +19,13 @@ FSDP shards over data parallel x context parallel: a flattened ``"data_parallel_
 rank with distinct tokens, replicas included; losses and token counts reduce over it), and under HSDP a flattened
 ``"data_parallel_shard_context_parallel"`` axis that is the shard dimension of FSDP's 2-D mesh. ``data_parallel_size``
 keeps its meaning: the number of distinct sample streams (what the sampler splits by).
+
+Expert parallelism (``expert_parallel_size > 1``) borrows its ranks from the ranks that shard each replica, as in
+torchtitan: ``"data_parallel"`` (or ``"data_parallel_shard"`` under HSDP) splits into ``"expert_data_parallel"``
+(outer) x ``"expert_parallel"`` (inner, neighbouring ranks: the all-to-all stays on the fastest links), and the
+data-parallel axes are flattened back, so dense weights keep their FSDP over every data-parallel rank and the
+sampler is unchanged. Each MoE layer's experts are split over ``"expert_parallel"``; the ranks of one
+``"expert_data_parallel"`` group hold the same experts and FSDP-shard them (see ``modelpar.moe``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONTEXT_PARALLEL_AXIS",
+    "EXPERT_PARALLEL_AXIS",
+    "EXPERT_SHARD_AXIS",
     "HSDP_MESH_AXES",
     "MESH_AXES",
     "TOKEN_AXIS",
@@ -42,6 +51,7 @@ __all__ = [
     "SizeArg",
     "SHARD_CONTEXT_AXIS",
     "check_context_parallel_size",
+    "check_expert_parallel_size",
     "check_size_arg",
     "context_parallel_mesh",
     "fsdp_mesh",
@@ -67,6 +77,13 @@ TOKEN_AXIS = "data_parallel_context_parallel"
 
 #: Under HSDP with context parallelism: the flattened shard dimension of FSDP's 2-D (replicate, shard) mesh.
 SHARD_CONTEXT_AXIS = "data_parallel_shard_context_parallel"
+
+#: The expert-parallel axis (``expert_parallel_size > 1``): the ranks over which each MoE layer's experts are split.
+EXPERT_PARALLEL_AXIS = "expert_parallel"
+
+#: Under expert parallelism: the data-parallel ranks outside the expert axis, which hold the same experts and
+#: FSDP-shard them (torchtitan's ``dp_shard_mod_ep``).
+EXPERT_SHARD_AXIS = "expert_data_parallel"
 
 SizeArg = Literal["auto"] | int
 
@@ -102,6 +119,16 @@ def check_context_parallel_size(value: object) -> int:
     return value
 
 
+def check_expert_parallel_size(value: object) -> int:
+    """Reject anything but a positive int: how many ranks split the experts is a model decision, not ``"auto"``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshSizeError(
+            f"`expert_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
+            " that split each MoE layer's experts (1 turns expert parallelism off)."
+        )
+    return value
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -118,6 +145,7 @@ class MeshLayout:
     tensor_parallel_size: int
     data_parallel_replicate_size: int = 1
     context_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     @classmethod
     def resolve(
@@ -131,6 +159,7 @@ class MeshLayout:
         per_node_known: bool = True,
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> MeshLayout:
         """Turn user sizes (ints or ``"auto"``) into concrete ones, or raise a :class:`MeshSizeError` that says why.
 
@@ -148,11 +177,19 @@ class MeshLayout:
         would be sharded at all. Unknown processes per node also give 1.
         ``context_parallel_size`` (an int) takes its ranks first: the data-parallel and tensor-parallel sizes are
         resolved as above over ``world_size / cp`` ranks and ``devices_per_node / cp`` devices per node.
+        ``expert_parallel_size`` borrows its ranks from the ranks that shard each replica (it does not change the
+        world size) and must divide ``data_parallel_size / data_parallel_replicate_size``.
         The error is a ``ValueError`` and, like Lightning's for sizes whose product is not the world size,
         a ``RuntimeError``.
         """
         check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
         cp = check_context_parallel_size(context_parallel_size)
+        ep = check_expert_parallel_size(expert_parallel_size)
+        if ep > 1 and cp > 1:
+            raise MeshSizeError(
+                f"`expert_parallel_size={ep}` with `context_parallel_size={cp}` is not supported yet: the expert axis"
+                " would have to span the context-parallel ranks too. Use one of them, or set the other to 1."
+            )
         if world_size % cp:
             raise MeshSizeError(
                 f"`context_parallel_size={cp}` must divide the world size ({world_size}), but it does not. Choose it"
@@ -179,7 +216,7 @@ class MeshLayout:
             auto_hsdp = (
                 tp == 1 and cp == 1 and num_nodes > 1 and per_node_known and num_nodes * devices_per_node == world_size
             )
-            return cls(dp, tp, num_nodes if auto_hsdp else 1, cp)
+            return cls._with_experts(dp, tp, num_nodes if auto_hsdp else 1, cp, ep)
         assert isinstance(replicate, int)  # narrowed by check_size_arg; not user-facing
         if dp % replicate:
             raise MeshSizeError(
@@ -187,7 +224,25 @@ class MeshLayout:
                 f" x the ranks that shard each replica), but it does not. Choose it among {_divisors(dp)}, or"
                 " change `data_parallel_size`."
             )
-        return cls(dp, tp, replicate, cp)
+        return cls._with_experts(dp, tp, replicate, cp, ep)
+
+    @classmethod
+    def _with_experts(cls, dp: int, tp: int, replicate: int, cp: int, ep: int) -> MeshLayout:
+        """The layout, once the expert axis is known to fit in the ranks that shard each replica."""
+        shard = dp // replicate
+        if shard % ep:
+            where = (
+                f"the ranks that shard each replica (`data_parallel_size={dp}` / `data_parallel_replicate_size="
+                f"{replicate}` = {shard})"
+                if replicate > 1
+                else f"the data-parallel size ({dp})"
+            )
+            raise MeshSizeError(
+                f"`expert_parallel_size={ep}` must divide {where}: the expert axis borrows its ranks from them, and"
+                f" tensor-parallel peers keep the same experts. Choose it among {_divisors(shard)}, or change the"
+                " data-parallel sizes."
+            )
+        return cls(dp, tp, replicate, cp, ep)
 
     @staticmethod
     def _resolve_2d(
@@ -262,22 +317,32 @@ class MeshLayout:
         return self.data_parallel_shard_size * self.context_parallel_size
 
     @property
+    def expert_shard_size(self) -> int:
+        """Ranks of one replica that hold the same experts and FSDP-shard them (``"expert_data_parallel"``)."""
+        return self.data_parallel_shard_size // self.expert_parallel_size
+
+    @property
     def world_size(self) -> int:
         return self.data_parallel_size * self.context_parallel_size * self.tensor_parallel_size
 
     @property
     def axes(self) -> tuple[str, ...]:
         axes = HSDP_MESH_AXES if self.hsdp else MESH_AXES
+        if self.expert_parallel_size > 1:  # the shard axis splits in two; it is flattened back in build()
+            return (*axes[:-2], EXPERT_SHARD_AXIS, EXPERT_PARALLEL_AXIS, axes[-1])
         if self.context_parallel_size > 1:
             return (*axes[:-1], CONTEXT_PARALLEL_AXIS, axes[-1])
         return axes
 
     @property
     def shape(self) -> tuple[int, ...]:
+        shard: tuple[int, ...] = (self.data_parallel_shard_size,)
+        if self.expert_parallel_size > 1:
+            shard = (self.expert_shard_size, self.expert_parallel_size)
         if self.hsdp:
-            data: tuple[int, ...] = (self.data_parallel_replicate_size, self.data_parallel_shard_size)
+            data: tuple[int, ...] = (self.data_parallel_replicate_size, *shard)
         else:
-            data = (self.data_parallel_size,)
+            data = shard
         cp = (self.context_parallel_size,) if self.context_parallel_size > 1 else ()
         return (*data, *cp, self.tensor_parallel_size)
 
@@ -314,7 +379,13 @@ class MeshLayout:
         by_axis: dict[int | str, Any] = {name: value for name, value in overrides.items() if value is not None}
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=by_axis or None)
         # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
-        if self.hsdp:
+        if self.expert_parallel_size > 1:
+            experts = (EXPERT_SHARD_AXIS, EXPERT_PARALLEL_AXIS)
+            if self.hsdp:
+                mesh[experts]._flatten(HSDP_MESH_AXES[1], backend_override=override(self.data_parallel_shard_size))
+                experts = (HSDP_MESH_AXES[0], *experts)
+            mesh[experts]._flatten(MESH_AXES[0], backend_override=override(self.data_parallel_size))
+        elif self.hsdp:
             mesh[HSDP_MESH_AXES[:2]]._flatten(MESH_AXES[0], backend_override=override(self.data_parallel_size))
         if self.context_parallel_size > 1:
             data_axes = HSDP_MESH_AXES[:2] if self.hsdp else MESH_AXES[:1]
@@ -398,7 +469,7 @@ def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
         return device_mesh[TOKEN_AXIS]
     if HSDP_MESH_AXES[0] in names:
         return device_mesh[HSDP_MESH_AXES[:2]]
-    if MESH_AXES[0] not in names:
+    if MESH_AXES[0] not in names and EXPERT_PARALLEL_AXIS not in names:
         raise ValueError(
             f"The mesh has axes {list(names)}, but a strategy mesh has {list(MESH_AXES)} or {list(HSDP_MESH_AXES)}."
             " Pass the `device_mesh` the strategy gave `parallelize_fn` (or `self.device_mesh` in `configure_model`)."

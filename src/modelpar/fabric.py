@@ -100,6 +100,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             docs/long-context.md); the mesh gains a ``"context_parallel"`` axis inside data parallelism and outside
             tensor parallelism, and FSDP shards over data x context parallel. ``data_parallel_size`` stays the
             number of distinct sample streams; the world size is data x context x tensor parallel.
+        expert_parallel_size: split each MoE layer's experts over this many ranks, borrowed from the data-parallel
+            ranks that shard each replica (expert parallelism, see docs/moe.md); tokens reach their experts by
+            all-to-all, and the ranks holding the same experts FSDP-shard them. Needs a plan that names the MoE
+            modules (``modelpar.plans.LLAMA_MOE_PLAN``) or ``modelpar.moe.parallelize_experts``.
         mixed_precision: FSDP2 ``MixedPrecisionPolicy``; ``None`` derives it from the precision flag
             (``"bf16-mixed"``: bf16 parameters and compute, fp32 gradient reduction, and no autocast).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (``True`` or a
@@ -137,6 +141,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
@@ -161,6 +166,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             storage_options=storage_options,
             data_parallel_replicate_size=data_parallel_replicate_size,
             context_parallel_size=context_parallel_size,
+            expert_parallel_size=expert_parallel_size,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,

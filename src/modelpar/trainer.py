@@ -75,9 +75,9 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             later runs (``validate`` after ``fit``, a second ``fit``) use the module as it is.
         async_save: checkpoints return once staged in CPU memory and are written in the background.
         storage_options: fsspec options for checkpoints at URLs (``s3://`` ...), for every save and load.
-        data_parallel_replicate_size, context_parallel_size, mixed_precision, cpu_offload, reshard_after_forward,
-        gradient_accumulation:
-            HSDP, context parallelism and the FSDP2 options, as for the Fabric strategy. ``configure_model``
+        data_parallel_replicate_size, context_parallel_size, expert_parallel_size, mixed_precision, cpu_offload,
+        reshard_after_forward, gradient_accumulation:
+            HSDP, context and expert parallelism and the FSDP2 options, as for the Fabric strategy. ``configure_model``
             (or ``parallelize_fn``) passes them on with
             ``fully_shard(module, **modelpar.fsdp_kwargs(self.device_mesh))``;
             ``gradient_accumulation`` decides what ``accumulate_grad_batches`` skips.
@@ -100,6 +100,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         storage_options: Mapping[str, Any] | None = None,
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         mixed_precision: MixedPrecisionPolicy | None = None,
         cpu_offload: bool | CPUOffloadPolicy = False,
         reshard_after_forward: bool | int | None = None,
@@ -119,6 +120,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             storage_options=storage_options,
             data_parallel_replicate_size=data_parallel_replicate_size,
             context_parallel_size=context_parallel_size,
+            expert_parallel_size=expert_parallel_size,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,

@@ -8,12 +8,13 @@ from modelpar._errors import UnsupportedStyleError
 from modelpar.plans._loss import loss_parallel
 from modelpar.plans._plan import ActivationCheckpointing, ParallelPlan
 from modelpar.plans._styles import STYLES
-from modelpar.plans.llama import LLAMA_PLAN, LlamaParallelConfig, llama_tp_plan, parallelize_llama
+from modelpar.plans.llama import LLAMA_MOE_PLAN, LLAMA_PLAN, LlamaParallelConfig, llama_tp_plan, parallelize_llama
 
 #: The style names a :class:`ParallelPlan` understands.
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES)
 
 __all__ = [
+    "LLAMA_MOE_PLAN",
     "LLAMA_PLAN",
     "STYLE_NAMES",
     "ActivationCheckpointing",

@@ -19,9 +19,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from modelpar._fsdp import fsdp_kwargs
 from modelpar._mesh import context_parallel_mesh
+from modelpar.moe._layout import expert_parallel_mesh
 from modelpar.plans._checkpointing import checkpoint_module
 from modelpar.plans._checks import check_divisible, check_layers_sharded, resolve_styles, resolve_units
 from modelpar.plans._context import apply_context_parallel, attention_modules, is_hugging_face
+from modelpar.plans._experts import apply_experts, moe_modules
 from modelpar.plans._styles import STYLES, StyleSpec, apply_style
 
 __all__ = ["ActivationCheckpointing", "ParallelPlan"]
@@ -92,6 +94,11 @@ class ParallelPlan:
             (``context_parallel_size > 1``): each exposes its kernel as an ``attention_kernel`` attribute, which
             the plan replaces with :class:`modelpar.context.ContextParallelAttention`. Hugging Face models need
             none (their attention is switched through transformers' registry). Unused without context parallelism.
+        experts: patterns of the mixture-of-experts modules (``("layers.*.moe",)``): each has a ``dispatch``
+            attribute and an ``experts`` submodule of fused ``[n_experts, ...]`` weights (``modelpar.models.moe.MoE``).
+            Under ``expert_parallel_size > 1`` their experts are split over the expert axis and FSDP-sharded over
+            the ranks holding the same experts, tokens travel by all-to-all; with several token ranks their router
+            statistics are summed over them (global-batch auxiliary losses). See docs/moe.md.
     """
 
     tensor_parallel: Mapping[str, StyleSpec] = field(default_factory=dict)
@@ -104,6 +111,7 @@ class ParallelPlan:
     reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
     attention: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel, Mapping):
@@ -137,6 +145,11 @@ class ParallelPlan:
                 f"ParallelPlan(attention={self.attention!r}) must be a tuple of non-empty patterns, such as"
                 " ('layers.*.attention',)."
             )
+        if isinstance(self.experts, str) or not all(isinstance(p, str) and p for p in self.experts):
+            raise TypeError(
+                f"ParallelPlan(experts={self.experts!r}) must be a tuple of non-empty patterns, such as"
+                " ('layers.*.moe',)."
+            )
         if self.activation_checkpointing not in get_args(ActivationCheckpointing):
             raise ValueError(
                 f"ParallelPlan(activation_checkpointing={self.activation_checkpointing!r}) is not a mode. Use one"
@@ -165,12 +178,19 @@ class ParallelPlan:
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
         object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
         object.__setattr__(self, "attention", tuple(self.attention))
+        object.__setattr__(self, "experts", tuple(self.experts))
 
     def replace(self, **changes: Any) -> ParallelPlan:
         """A copy with ``changes`` applied (``dataclasses.replace``), validated like a new plan."""
         return dataclasses.replace(self, **changes)
 
-    def check(self, model: nn.Module, tensor_parallel_size: int, context_parallel_size: int = 1) -> None:
+    def check(
+        self,
+        model: nn.Module,
+        tensor_parallel_size: int,
+        context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+    ) -> None:
         """Raise, before anything is sharded, if this plan cannot apply to ``model`` at this TP size.
 
         Every pattern matches a submodule; no submodule gets two styles; each named style fits its module's
@@ -181,17 +201,19 @@ class ParallelPlan:
         ``n_kv_heads``, ``num_key_value_heads``) divide by ``tensor_parallel_size``; with
         ``tensor_parallel_size > 1``, a style splits a weight inside some FSDP unit (a decoder layer), since
         otherwise every layer is replicated on each tensor-parallel rank; with ``context_parallel_size > 1``,
-        every attention can be put on sequence shards (the ``attention`` patterns, or a Hugging Face model).
+        every attention can be put on sequence shards (the ``attention`` patterns, or a Hugging Face model); with
+        ``expert_parallel_size > 1``, the ``experts`` patterns name MoE modules whose experts (and ``top_k``) fit.
         Errors are ``ValueError`` unless said otherwise. Works on a meta-device model with no process group,
         identically on every rank.
         """
-        self._resolve(model, tensor_parallel_size, context_parallel_size)
+        self._resolve(model, tensor_parallel_size, context_parallel_size, expert_parallel_size)
 
     def _resolve(
-        self, model: nn.Module, tensor_parallel_size: int, context_parallel_size: int = 1
+        self, model: nn.Module, tensor_parallel_size: int, context_parallel_size: int = 1, expert_parallel_size: int = 1
     ) -> tuple[dict[str, StyleSpec], list[str]]:
         if context_parallel_size > 1 and not is_hugging_face(model):
             attention_modules(model, self.attention)
+        moe_modules(model, self.experts, expert_parallel_size)
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         units = resolve_units(model, self.fsdp_units)
         check_divisible(model, styles, tensor_parallel_size)
@@ -204,7 +226,9 @@ class ParallelPlan:
         tp_mesh = device_mesh[_TP_AXIS] if _TP_AXIS in axes else None
         tp = tp_mesh.size() if tp_mesh is not None else 1
         cp_mesh = context_parallel_mesh(device_mesh)
-        styles, units = self._resolve(model, tp, cp_mesh.size() if cp_mesh is not None else 1)
+        ep_mesh = expert_parallel_mesh(device_mesh)
+        cp, ep = (m.size() if m is not None else 1 for m in (cp_mesh, ep_mesh))
+        styles, units = self._resolve(model, tp, cp, ep)
         # Before activation checkpointing and compile, which must trace and recompute the replaced kernel.
         apply_context_parallel(model, device_mesh, self.attention)
         if tp_mesh is not None and tp > 1:
@@ -229,6 +253,7 @@ class ParallelPlan:
             overrides["reshard_after_forward"] = self.reshard_after_forward
         if self.mp_policy is not None:
             overrides["mp_policy"] = self.mp_policy
+        apply_experts(model, device_mesh, self.experts, **overrides)  # experts first: FSDP goes bottom-up
         kwargs = fsdp_kwargs(device_mesh, **overrides)
         for name in sorted(units, key=lambda n: n.count("."), reverse=True):  # bottom-up; stable within a depth
             fully_shard(model.get_submodule(name), **kwargs)

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from modelpar.plans._plan import ParallelPlan
 
-__all__ = ["LLAMA_PLAN", "LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
+__all__ = ["LLAMA_MOE_PLAN", "LLAMA_PLAN", "LlamaParallelConfig", "llama_tp_plan", "parallelize_llama"]
 
 #: ``modelpar.models.Llama`` and models named like it (torchtitan's ``tok_embeddings``, ``layers.*.attention.wq``
 #: ...). Defaults: tensor parallelism without sequence or loss parallelism, blocks as FSDP units, no activation
@@ -42,6 +42,15 @@ LLAMA_PLAN = ParallelPlan(
     },
     fsdp_units=("layers.*",),
     attention=("layers.*.attention",),
+)
+
+#: The MoE variant of ``modelpar.models.Llama`` (``LlamaConfig(n_experts=...)``, every block a MoE): attention,
+#: embedding and head as in :data:`LLAMA_PLAN`, the MoE modules named by ``experts`` (split over the expert axis
+#: under ``expert_parallel_size > 1``, router replicated, experts not tensor-parallel). With ``moe_every > 1`` add
+#: the dense blocks' ``layers.*.feed_forward.*`` entries of :data:`LLAMA_PLAN`.
+LLAMA_MOE_PLAN = LLAMA_PLAN.replace(
+    tensor_parallel={k: v for k, v in LLAMA_PLAN.tensor_parallel.items() if ".feed_forward" not in k},
+    experts=("layers.*.moe",),
 )
 
 
