@@ -380,7 +380,7 @@ class MeshLayout:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.axes, backend_override=by_axis or None)
         # No public API names a flattened axis in torch 2.13/2.14; torchtitan relies on the same method.
         if self.expert_parallel_size > 1:
-            experts = (EXPERT_SHARD_AXIS, EXPERT_PARALLEL_AXIS)
+            experts: tuple[str, ...] = (EXPERT_SHARD_AXIS, EXPERT_PARALLEL_AXIS)
             if self.hsdp:
                 mesh[experts]._flatten(HSDP_MESH_AXES[1], backend_override=override(self.data_parallel_shard_size))
                 experts = (HSDP_MESH_AXES[0], *experts)

@@ -31,6 +31,7 @@ def meta_llama(cfg: LlamaConfig = CFG) -> Llama:
 
 def test_public_surface_is_what_we_mean():
     assert set(modelpar.plans.__all__) == {
+        "LLAMA_MOE_PLAN",
         "LLAMA_PLAN",
         "STYLE_NAMES",
         "ActivationCheckpointing",

@@ -203,8 +203,8 @@ class Llama(nn.Module):
         aux: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer(h, self.rope, positions)
-            moe = layer.moe
-            if moe is not None and moe.load_balance_loss is not None and moe.z_loss is not None:
+            moe = getattr(layer, "moe", None)
+            if isinstance(moe, MoE) and moe.load_balance_loss is not None and moe.z_loss is not None:
                 aux.append(self.config.aux_loss_coef * moe.load_balance_loss + self.config.z_loss_coef * moe.z_loss)
         self.aux_loss = torch.stack(aux).sum() if aux else None
         return self.output(self.norm(h))
