@@ -9,9 +9,15 @@ import pytest
 from harness import run_distributed
 
 
+def _context_and_expert_grids(root: str) -> dict[str, Any]:
+    from test_context_parallel import kernel_and_strategy_grid
+    from test_expert_parallel import grid as expert_grid
+
+    return {**kernel_and_strategy_grid(root), "experts": expert_grid(f"{root}/experts")}
+
+
 @pytest.fixture(scope="session")
 def context_parallel_spawn(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One 4-process run of the kernel grid (``test_context_attention``) and the strategy grid (``test_context_parallel``)."""
-    from test_context_parallel import kernel_and_strategy_grid
-
-    return run_distributed(kernel_and_strategy_grid, 4, str(tmp_path_factory.mktemp("cp")), timeout=420)
+    """One 4-process run of the context-parallel kernel grid (``test_context_attention``), the context-parallel
+    strategy grid (``test_context_parallel``) and the expert-parallel grid (``test_expert_parallel``)."""
+    return run_distributed(_context_and_expert_grids, 4, str(tmp_path_factory.mktemp("cp")), timeout=540)

@@ -1,6 +1,6 @@
 """Expert parallelism through the strategies, against one process: the MoE Llama variant, checkpoints, pre-flight.
 
-One spawn of 4 CPU processes runs the grid. Each training case builds the single-process MoE model from the same
+The grid runs in the 4-process spawn shared with context parallelism (``conftest.py``). Each training case builds the single-process MoE model from the same
 seed, feeds it the whole global batch, and checks that the sharded run gives the same loss (cross-entropy plus the
 auxiliary load-balancing and z-losses over the global batch), the same gradients and, after AdamW steps, the same
 weights: FSDP over 4 ranks with no expert axis, EP=2 (dp=4), EP=4 (one expert per rank, top_k above it), EP=2 x
@@ -216,10 +216,9 @@ def grid(root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from harness import run_distributed
-
-    return run_distributed(grid, 4, str(tmp_path_factory.mktemp("ep")), timeout=420)
+def results(context_parallel_spawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This module's part of the shared 4-rank spawn (``tests/distributed/conftest.py``)."""
+    return [rank["experts"] for rank in context_parallel_spawn]
 
 
 @pytest.mark.parametrize("case", ["fsdp4_ep1", "ep2", "ep4", "ep2_tp2", "ep2_hsdp"])
