@@ -20,7 +20,7 @@ from hf_tiny import TINY_SIZES
 from modelpar import UnsupportedStyleError
 from modelpar.hf import plan_for
 from modelpar.hf._plan import HF_REFUSED, HF_STYLES
-from modelpar.hf._styles import RefusedStyleError, RopeGradientSum
+from modelpar.hf._styles import RefusedStyle, RefusedStyleError, RopeGradientSum
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -93,23 +93,35 @@ def test_embedding_colwise_all_reduce_and_replicate_map_to_public_dtensor_styles
         ({"layers.*.self_attn": "local_params"}, "local_params", "a module run on its local shards"),
     ],
 )
-def test_each_refused_style_is_refused_by_name_with_its_reason(entries, style, reason):
+def test_each_refused_style_is_refused_by_name_with_its_reason_under_tensor_parallelism_only(entries, style, reason):
+    model = _llama_with(entries)
+    plan = plan_for(model)  # the plan still serves FSDP alone
+    plan.check(model, 1)
     with pytest.raises(RefusedStyleError, match=rf"to the style '{style}': {reason}") as err:
-        plan_for(_llama_with(entries))
+        plan.check(model, 2)
     assert isinstance(err.value, ValueError) and isinstance(err.value, NotImplementedError)
     assert "tensor_parallel_size=1" in str(err.value)
 
 
-def test_a_moe_family_is_refused_for_its_experts_before_their_packed_parts():
+def test_a_moe_family_shards_with_fsdp_alone_and_is_refused_for_its_experts_under_tensor_parallelism():
+    model = _meta("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    plan = plan_for(model)
+    plan.check(model, 1)
+    assert plan.fsdp_units == ("model.layers.*",)
+    # One placeholder for the experts module, whose reason comes first: not its packed parameters' own.
+    assert [p for p in plan.tensor_parallel if "experts" in p] == ["model.layers.*.mlp.experts"]
     with pytest.raises(RefusedStyleError, match=r"'model\.layers\.\*\.mlp\.experts' to the style 'moe_tp_experts'"):
-        plan_for(_meta("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
+        plan.check(model, 2)
 
 
 def test_a_style_on_a_module_of_another_kind_and_a_bare_parameter_are_refused():
     with pytest.raises(UnsupportedStyleError, match=r"'model\.norm' to the style 'rowwise_split_input'.*RMSNorm"):
         plan_for(_llama_with({"norm": "rowwise_split_input"}))
+    model = _llama_with({"norm.weight": "colwise"})
+    plan = plan_for(model)
+    assert isinstance(plan.tensor_parallel["model.norm"], RefusedStyle)
     with pytest.raises(RefusedStyleError, match=r"'model\.norm\.weight', a bare parameter, to the style 'colwise'"):
-        plan_for(_llama_with({"norm.weight": "colwise"}))
+        plan.check(model, 2)
 
 
 def test_mla_kv_a_proj_without_a_rope_dim_in_the_config_is_refused():

@@ -15,7 +15,15 @@ import re
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from modelpar.hf._styles import HF_REFUSED, HF_STYLES, SKIP, refused, translate
+from modelpar.hf._styles import (
+    HF_REFUSED,
+    HF_STYLES,
+    SKIP,
+    RefusedStyle,
+    RefusedStyleError,
+    refused,
+    translate,
+)
 from modelpar.plans import ActivationCheckpointing, ParallelPlan
 from modelpar.plans._checks import matches
 from modelpar.plans._styles import StyleSpec
@@ -49,8 +57,10 @@ def plan_for(
       on the tensor-parallel ranks, the input marked as split over heads, so each rank's partial gradient is
       summed; ``"mla_kv_a_proj"`` -> replicated, the rope part's gradient summed. Entries matching nothing in
       this model are left out, as transformers does. The styles in :data:`HF_REFUSED` (the tensor-parallel
-      experts of MoE models ...) raise :class:`~modelpar.hf._styles.RefusedStyleError` (a ``ValueError`` and
-      ``NotImplementedError``) with the reason; an unknown style is a ``ValueError``;
+      experts of MoE models ...) stay in the plan as placeholders: without tensor parallelism the plan shards
+      with FSDP alone (fused ``[experts, ...]`` tensors like any weight); with ``tensor_parallel_size > 1`` its
+      check raises :class:`~modelpar.hf.RefusedStyleError` (a ``ValueError`` and ``NotImplementedError``) with
+      the reason, before anything is sharded. An unknown style is a ``ValueError`` at once;
     - with tied word embeddings the LM head keeps its (shared) weight replicated, since sharding it would
       untie it; ``loss_parallel`` then has nothing to shard and is refused;
     - FSDP units: the modules of the classes in ``model._no_split_modules`` (the decoder layers), else the
@@ -91,16 +101,27 @@ def plan_for(
     # A model without experts (or with a dense layer variant) leaves some patterns unmatched: transformers skips
     # those entries too. A refused style anywhere is refused, `moe_tp_experts` first as the reason behind its parts.
     present = {p: s for p, s in hf_plan.items() if any(matches(p, n) for n in (*modules, *parameters) if n)}
-    for pattern, hf_style in sorted(present.items(), key=lambda item: item[1] != "moe_tp_experts"):
-        if hf_style in HF_REFUSED:
-            raise refused(pattern, hf_style)
     tensor_parallel: dict[str, StyleSpec] = {}
-    for pattern, hf_style in present.items():
+    # A refused entry (an expert's packed projections ...) stays in the plan as a placeholder on its module, which
+    # raises only under tensor parallelism: the plan still serves FSDP alone. `moe_tp_experts` goes first, so that
+    # its reason, not that of its packed parts, is the one given.
+    for pattern, hf_style in sorted(present.items(), key=lambda item: item[1] != "moe_tp_experts"):
         on_head = head is not None and pattern == head
         if on_head and tied:
             continue  # sharding the head's weight would untie it from the embeddings: keep it replicated
         module = next((m for n, m in modules.items() if n and matches(pattern, n)), None)
-        style = translate(pattern, hf_style, module, on_head=on_head, config=config)
+        style: StyleSpec
+        try:
+            if hf_style in HF_REFUSED:
+                raise refused(pattern, hf_style)
+            style = translate(pattern, hf_style, module, on_head=on_head, config=config)
+        except RefusedStyleError as refusal:  # also a bare parameter split outside its module's style
+            style = RefusedStyle(refusal)
+        if isinstance(style, RefusedStyle):
+            holder = pattern if module is not None else pattern.rpartition(".")[0]
+            if holder and holder not in tensor_parallel:
+                tensor_parallel[holder] = style
+            continue
         if style != SKIP:
             tensor_parallel[pattern] = style
     if loss_parallel and "output" not in tensor_parallel.values():

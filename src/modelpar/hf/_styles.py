@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from modelpar.plans._styles import StyleSpec
 
-__all__ = ["HF_REFUSED", "HF_STYLES", "RefusedStyleError", "SKIP", "translate"]
+__all__ = ["HF_REFUSED", "HF_STYLES", "RefusedStyle", "RefusedStyleError", "SKIP", "translate"]
 
 #: Hugging Face style -> what :func:`translate` makes of it (see ``docs/huggingface.md``).
 HF_STYLES: Mapping[str, str] = {
@@ -96,6 +96,23 @@ class RefusedStyleError(ValueError, NotImplementedError):
     A ``ValueError`` as an unknown style is (so existing ``except`` clauses keep working), and a
     ``NotImplementedError`` since the refusal is of a feature, not of a wrong input.
     """
+
+
+class RefusedStyle(ParallelStyle):
+    """A plan entry modelpar cannot split: harmless without tensor parallelism, refused with its reason with it.
+
+    ``plan_for`` keeps a refused style's module in the plan as this placeholder, so that the same plan serves
+    FSDP alone (``tensor_parallel_size=1``: no style is applied, the fused ``[experts, ...]`` tensors are sharded
+    like any weight); with ``tensor_parallel_size > 1`` the plan's check raises :attr:`refusal` (read by
+    ``modelpar.plans`` as the attribute ``refusal``) before anything is sharded.
+    """
+
+    def __init__(self, refusal: RefusedStyleError) -> None:
+        super().__init__()
+        self.refusal = refusal
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        raise self.refusal
 
 
 def refused(pattern: str, hf_style: str) -> RefusedStyleError:

@@ -97,6 +97,20 @@ def resolve_styles(
     return styles
 
 
+def check_refused(styles: Mapping[str, StyleSpec], tensor_parallel_size: int) -> None:
+    """With tensor parallelism, raise the refusal a placeholder style carries (``modelpar.hf``'s ``RefusedStyle``).
+
+    A plan may name a module whose split is known to be impossible (yet) by a style with a ``refusal`` exception:
+    the plan still serves FSDP alone, and asking it for tensor parallelism raises that exception first.
+    """
+    if tensor_parallel_size <= 1:
+        return
+    for style in styles.values():
+        refusal = getattr(style, "refusal", None)
+        if isinstance(refusal, Exception):
+            raise refusal
+
+
 def resolve_units(model: nn.Module, fsdp_units: Iterable[str]) -> list[str]:
     """Names of the FSDP units, in the model's module order; raise for a pattern matching nothing."""
     modules = _submodules(model)

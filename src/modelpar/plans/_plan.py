@@ -21,7 +21,13 @@ from modelpar._fsdp import fsdp_kwargs
 from modelpar._mesh import context_parallel_mesh
 from modelpar.moe._layout import expert_parallel_mesh
 from modelpar.plans._checkpointing import checkpoint_module
-from modelpar.plans._checks import check_divisible, check_layers_sharded, resolve_styles, resolve_units
+from modelpar.plans._checks import (
+    check_divisible,
+    check_layers_sharded,
+    check_refused,
+    resolve_styles,
+    resolve_units,
+)
 from modelpar.plans._context import apply_context_parallel, attention_modules, is_hugging_face
 from modelpar.plans._experts import apply_experts, moe_modules
 from modelpar.plans._styles import STYLES, StyleSpec, apply_style
@@ -216,6 +222,7 @@ class ParallelPlan:
         moe_modules(model, self.experts, expert_parallel_size)
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         units = resolve_units(model, self.fsdp_units)
+        check_refused(styles, tensor_parallel_size)
         check_divisible(model, styles, tensor_parallel_size)
         check_layers_sharded(model, styles, units, tensor_parallel_size)
         return styles, units
