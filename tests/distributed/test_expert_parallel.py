@@ -273,3 +273,10 @@ def test_bad_layouts_are_refused_on_every_rank_with_the_fix(results):
         assert "`data_parallel_replicate_size=2` = 2" in errors["axis_does_not_fit_hsdp"]
         assert errors["not_a_size"].startswith("MeshSizeError: `expert_parallel_size=0` is not a valid size")
         assert errors["sum"] == "4.0"
+
+
+def context_and_expert_grids(root: str) -> dict[str, Any]:
+    """The body of the shared 4-rank session spawn (``context_parallel_spawn`` in ``conftest.py``)."""
+    from test_context_parallel import kernel_and_strategy_grid
+
+    return {**kernel_and_strategy_grid(root), "experts": grid(f"{root}/experts")}
