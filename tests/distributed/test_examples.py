@@ -47,6 +47,16 @@ def test_fabric_demo_on_four_cpu_processes_prints_no_view_warning_and_no_repeate
         assert output.count("DTensor random operators may not have complete support") <= 1, output[-3000:]
 
 
+def test_moe_example_trains_with_expert_parallelism_and_resumes_on_another_expert_layout(tmp_path):
+    script = str(ROOT / "examples/fabric/train_moe.py")
+    short = ("--devices", "2", "--steps", "3", "--save-at", "2", "--batch-size", "4", "--checkpoint-dir", str(tmp_path))
+    first = run(script, *short, cwd=tmp_path)  # experts split over both ranks
+    second = run(script, *short, "--expert-parallel", "1", "--resume", cwd=tmp_path)  # every rank holds all experts
+    assert "'expert_parallel': 2" in first and "step   3 | loss" in first and "(aux " in first, first[-3000:]
+    assert "tokens per expert in layer 0" in second
+    assert "resumed from" in second and "matches the first run: True" in second, second[-3000:]
+
+
 def test_fsdp1_migration_example_resumes_the_fsdp1_run_with_its_losses(tmp_path):
     script = str(ROOT / "examples/fsdp1_migration/resume_fsdp1_run.py")
     run(script, "--phase", "fsdp1", "--dir", str(tmp_path), cwd=tmp_path)
