@@ -26,6 +26,7 @@ from modelpar.checkpoint._names import clean_name
 from modelpar.checkpoint._progress import Progress
 from modelpar.checkpoint._remote import Location, RemotePath, staged_upload, to_location
 from modelpar.checkpoint._stream import check_shapes
+from modelpar.hf._experts import save_layout, split_for_save
 from modelpar.hf._files import Entry, parse_size
 from modelpar.hf._folder import FolderExport, check_destination, check_dtype_argument, configured, out_dtype
 from modelpar.hf._keys import map_file_keys, model_tensors
@@ -50,9 +51,10 @@ def export_checkpoint(
     ``config``: the model's Hugging Face config, as a folder holding ``config.json`` (a pretrained folder) or a
     ``PretrainedConfig``. The model class is the config's ``architectures[0]``, else ``AutoModelForCausalLM``.
     Its tensors must match the checkpoint's names and shapes (:class:`~modelpar.CheckpointKeyError`,
-    :class:`~modelpar.CheckpointShapeError`); tied weights are written once, as ``save_pretrained`` does.
-    ``dtype`` casts the floating-point tensors. ``generation_config.json`` is copied from the config folder,
-    or written for models that generate. Other arguments as in :func:`~modelpar.checkpoint.convert_to_file`.
+    :class:`~modelpar.CheckpointShapeError`); tied weights are written once, and fused mixture-of-experts
+    tensors per expert where the family's folders hold them so, as ``save_pretrained`` does. ``dtype`` casts
+    the floating-point tensors. ``generation_config.json`` is copied from the config folder, or written for
+    models that generate. Other arguments as in :func:`~modelpar.checkpoint.convert_to_file`.
     One process, no process group; memory about twice the largest tensor. ``src`` and ``dst`` may be URLs
     (``s3://`` ...): the folder is then written locally and uploaded, ``config.json`` last.
     """
@@ -103,20 +105,26 @@ def export_checkpoint(
     picked = {first: saved[from_saved[source]] for first, source in sources.items() if source is not None}
     check_shapes({first: ours.tensors[first] for first in picked}, {k: v[1] for k, v in picked.items()}, where)
 
+    # Each tensor's file tensors: itself, or one per expert (and gate/up) where the family's folders hold them so.
+    layout = save_layout(model)
+    pieces = [split_for_save(first, tuple(shape), layout) for first, (_, shape, _) in picked.items()]
     entries = [
-        Entry(first, tuple(shape), out_dtype(saved_dtype, dtype)) for first, (_, shape, saved_dtype) in picked.items()
+        Entry(file_name, cut_shape, out_dtype(saved_dtype, dtype))
+        for cuts, (_, _, saved_dtype) in zip(pieces, picked.values(), strict=True)
+        for file_name, cut_shape, _ in cuts
     ]
     reader = CachedReader(src_path, metadata, weights_only=weights_only)
     bar = Progress(progress, len(entries), sum(e.nbytes for e in entries))
     export = FolderExport(dst_path, entries, max_bytes)
     export.begin()
     try:
-        for entry, (dcp_key, shape, saved_dtype) in zip(entries, picked.values(), strict=True):
+        for cuts, (dcp_key, shape, saved_dtype) in zip(pieces, picked.values(), strict=True):
             tensor = torch.empty(shape, dtype=saved_dtype)
             _read(dcp_key, tensor, reader, src_path)
-            export.write(tensor)
+            for _, cut_shape, cut in cuts:
+                export.write(cut(tensor))
+                bar.advance(Entry("", cut_shape, out_dtype(saved_dtype, dtype)).nbytes)
             del tensor
-            bar.advance(entry.nbytes)
         total = sum(p.numel() for p in model.parameters())
         export.finish(total, lambda folder: _save_configs(model, hf_config, config_folder, entries, folder))
     except BaseException:

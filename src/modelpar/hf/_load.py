@@ -6,6 +6,10 @@ from its parameter's placements which block of the full tensor it holds (the log
 (``get_slice(name)[...]``) and copies it into its local shard, cast to the model's dtype. No communication,
 no rank ever holds the whole model, and the extra memory stays near the largest tensor's shard.
 
+Mixture-of-experts models hold each layer's experts fused (``experts.gate_up_proj`` ``[E, 2*I, H]``), folders
+often one tensor per expert (:mod:`modelpar.hf._experts`): such a tensor's block is filled from the experts
+(and gate/up rows) it covers, each read as a slice of its own file tensor.
+
 Names, shapes and tied weights are checked first, identically on every rank, so a mismatch raises on every
 rank before anything is modified. Buffers that are not in the files (rotary ``inv_freq``, which Hugging Face
 never saves) keep the values the model computed.
@@ -13,6 +17,7 @@ never saves) keep the values the model computed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelpar._errors import CheckpointKeyError
 from modelpar.checkpoint._stream import check_shapes, shard_block
+from modelpar.hf._experts import Stacked, group_experts, stacked_shape
 from modelpar.hf._files import file_keys
 from modelpar.hf._keys import ignored_unexpected, map_file_keys, model_tensors, unwrap
 
@@ -40,6 +46,8 @@ def load_pretrained(
     ``model-0000x-of-0000y.safetensors`` files with ``model.safetensors.index.json``. Each rank reads only the
     blocks it holds, from memory-mapped files: the extra memory per rank is about the largest tensor's shard.
     Tied weights (``lm_head.weight`` with ``tie_word_embeddings``) may be absent from the files and stay tied.
+    Mixture-of-experts folders may hold the experts fused, as the model does, or one tensor per expert
+    (Qwen3-MoE's ``experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight`` ...).
 
     Each tensor is cast to the dtype of the model's tensor it goes into (a bfloat16 file into a float32 model
     gives float32 weights holding the bfloat16 values). ``dtype``, if given, is the floating-point dtype you
@@ -59,10 +67,10 @@ def load_pretrained(
         _check_dtype(ours.tensors, dtype)
     ignored = ignored_unexpected(module)
     to_model = map_file_keys(located, ours.tensors, getattr(module, "base_model_prefix", "") or "")
-    from_file = {model_name: file_name for file_name, model_name in to_model.items()}
-    unexpected = [
-        k for k, name in to_model.items() if name not in ours.tensors and not any(p.search(k) for p in ignored)
-    ]
+    direct, stacked = group_experts(to_model, ours.tensors)
+    from_file: dict[str, str | Stacked] = {model_name: file_name for file_name, model_name in direct.items()}
+    from_file.update(stacked)
+    unexpected = [k for k, name in direct.items() if name not in ours.tensors and not any(p.search(k) for p in ignored)]
     # A tied tensor needs one of its names in the files; which one it is found under does not matter.
     sources = {first: next((n for n in names if n in from_file), None) for first, names in ours.aliases.items()}
     missing = [first for first, source in sources.items() if source is None]
@@ -82,19 +90,23 @@ def load_pretrained(
             " one of them would be dropped. Build the model from the folder's own config (for Llama-style models,"
             " `tie_word_embeddings=False`), or pass `strict=False` to load the first of them into the tied tensor."
         )
-    shapes = _file_shapes(located, {first: from_file[source] for first, source in sources.items() if source})
+    picked = {first: from_file[source] for first, source in sources.items() if source is not None}
+    shapes = _file_shapes(located, picked, where)
     check_shapes({first: ours.tensors[first] for first in shapes}, shapes, where)
 
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for first, source in sources.items():
-        if source is not None:
-            file_name = from_file[source]
+    for first, file_name in picked.items():
+        if isinstance(file_name, str):
             by_file.setdefault(located[file_name], []).append((file_name, first))
     with torch.no_grad():
         for file, pairs in by_file.items():
             with safe_open(file, framework="pt") as handle:
                 for file_name, first in pairs:
                     _load_one(handle, file_name, ours.tensors[first])
+        with _Handles(located) as handles:
+            for first, parts in picked.items():
+                if isinstance(parts, Stacked):
+                    _load_stacked(handles, parts, ours.tensors[first])
 
 
 def _check_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
@@ -111,17 +123,21 @@ def _check_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         )
 
 
-def _file_shapes(located: dict[str, Path], wanted: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """The saved shape of each wanted tensor (model name -> file name), from the files' headers only."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for model_name, file_name in wanted.items():
-        by_file.setdefault(located[file_name], []).append((model_name, file_name))
-    for file, pairs in by_file.items():
+def _file_shapes(located: dict[str, Path], wanted: dict[str, str | Stacked], where: str) -> dict[str, tuple[int, ...]]:
+    """The saved shape of each wanted tensor (model name -> its file tensor(s)), from the files' headers only."""
+    file_names = [n for source in wanted.values() for n in ([source] if isinstance(source, str) else source.names)]
+    by_file: dict[Path, list[str]] = {}
+    for file_name in file_names:
+        by_file.setdefault(located[file_name], []).append(file_name)
+    saved: dict[str, tuple[int, ...]] = {}
+    for file, names in by_file.items():
         with safe_open(file, framework="pt") as handle:
-            for model_name, file_name in pairs:
-                shapes[model_name] = tuple(handle.get_slice(file_name).get_shape())
-    return shapes
+            for file_name in names:
+                saved[file_name] = tuple(handle.get_slice(file_name).get_shape())
+    return {
+        model_name: saved[source] if isinstance(source, str) else stacked_shape(model_name, source, saved, where)
+        for model_name, source in wanted.items()
+    }
 
 
 def _load_one(handle: Any, name: str, target: torch.Tensor) -> None:
@@ -145,3 +161,48 @@ def _load_one(handle: Any, name: str, target: torch.Tensor) -> None:
             " layout to modelpar."
         )
     local.copy_(value)
+
+
+class _Handles(contextlib.ExitStack):
+    """The folder's safetensors files, each memory-mapped once when first needed (per-expert tensors of one
+    fused tensor may lie in several files)."""
+
+    def __init__(self, located: dict[str, Path]) -> None:
+        super().__init__()
+        self._located = located
+        self._open: dict[Path, Any] = {}
+
+    def slice(self, name: str) -> Any:
+        file = self._located[name]
+        if file not in self._open:
+            self._open[file] = self.enter_context(safe_open(file, framework="pt"))
+        return self._open[file].get_slice(name)
+
+
+def _load_stacked(handles: _Handles, stacked: Stacked, target: torch.Tensor) -> None:
+    """Fill ``target``'s local shard of a fused expert tensor from the per-expert file tensors: for this rank's
+    block (experts x rows x columns), only the experts it holds and, of each, only the rows and columns it holds."""
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if local.numel() == 0:
+        return
+    block = shard_block(target)
+    if block is None:  # placements our cut does not cover: stack the full tensor, DTensor cuts it
+        assert isinstance(target, DTensor)
+        full = torch.stack([torch.cat([handles.slice(n)[:] for n in expert]) for expert in stacked.parts])
+        local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
+        return
+    (e0, experts), (r0, rows), (c0, cols) = block
+    if tuple(local.shape) != (experts, rows, cols):  # never expected: copy_ would broadcast a wrong block
+        raise NotImplementedError(
+            f"Cannot cut the shard of placements {getattr(target, 'placements', None)} and local shape"
+            f" {tuple(local.shape)} out of per-expert tensors (block {block}). Please report the layout to modelpar."
+        )
+    for i, expert in enumerate(stacked.parts[e0 : e0 + experts]):
+        offset = 0
+        for name in expert:
+            part = handles.slice(name)
+            length = part.get_shape()[0]
+            lo, hi = max(r0, offset), min(r0 + rows, offset + length)
+            if lo < hi:
+                local[i, lo - r0 : hi - r0].copy_(part[lo - offset : hi - offset, c0 : c0 + cols])
+            offset += length

@@ -24,6 +24,7 @@ from modelpar._collective import collective_ready
 from modelpar.checkpoint._agree import agree
 from modelpar.checkpoint._progress import Progress
 from modelpar.checkpoint._remote import RemotePath, to_location, upload
+from modelpar.hf._experts import save_layout, split_for_save
 from modelpar.hf._files import Entry, parse_size
 from modelpar.hf._folder import FolderExport, check_destination, check_dtype_argument, configured, out_dtype
 from modelpar.hf._keys import model_tensors, unwrap
@@ -45,8 +46,9 @@ def save_pretrained(
     ``model.safetensors``, or files of at most ``max_shard_size`` (``"5GB"`` is 5e9 bytes, as Hugging Face
     counts; or an int) with ``model.safetensors.index.json``; then ``config.json`` and, for models that
     generate, ``generation_config.json``. Tied weights are written once, under their first name (as
-    ``save_pretrained`` does), and ``from_pretrained`` ties them again. ``dtype`` casts the floating-point
-    tensors (and sets the config's ``dtype``).
+    ``save_pretrained`` does), and ``from_pretrained`` ties them again. Fused mixture-of-experts tensors are
+    written per expert where transformers writes them so for the family (Qwen3-MoE, Mixtral ...). ``dtype``
+    casts the floating-point tensors (and sets the config's ``dtype``).
 
     Memory: one full tensor at a time beyond the shards, on every rank. The folder appears at ``path`` only
     when complete; an earlier export there is replaced, keeping files it does not write (a tokenizer). A
@@ -77,8 +79,13 @@ def _save(
     check_destination(dst, overwrite=True)
     ours = model_tensors(module)
     tensors = [ours.tensors[name] for name in ours.unique]
+    # Each tensor's file tensors: itself, or one per expert (and gate/up) where the family's folders hold them so.
+    layout = save_layout(module)
+    pieces = [split_for_save(name, tuple(t.shape), layout) for name, t in zip(ours.unique, tensors, strict=True)]
     entries = [
-        Entry(name, tuple(t.shape), out_dtype(t.dtype, dtype)) for name, t in zip(ours.unique, tensors, strict=True)
+        Entry(file_name, shape, out_dtype(t.dtype, dtype))
+        for cuts, t in zip(pieces, tensors, strict=True)
+        for file_name, shape, _ in cuts
     ]
     writing = not dist.is_initialized() or dist.get_rank() == 0
     export = FolderExport(dst, entries, max_bytes) if writing else None
@@ -90,16 +97,17 @@ def _save(
             error = err
     agree(f"Preparing the export to {str(dst)!r}", error)
     bar = Progress(progress and writing, len(entries), sum(e.nbytes for e in entries))
-    for entry, tensor in zip(entries, tensors, strict=True):
+    for cuts, tensor in zip(pieces, tensors, strict=True):
         # A collective on every rank, on the mesh's device: CPU-offloaded shards are copied there first.
         full = collective_ready(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor
-        if export is not None and error is None:
-            try:
-                export.write(full.detach())
-            except Exception as err:  # keep gathering, so the other ranks are not left waiting
-                error = err
+        for _, shape, cut in cuts:
+            if export is not None and error is None:
+                try:
+                    export.write(cut(full.detach()))
+                except Exception as err:  # keep gathering, so the other ranks are not left waiting
+                    error = err
+            bar.advance(Entry("", shape, out_dtype(tensor.dtype, dtype)).nbytes)
         del full
-        bar.advance(entry.nbytes)
     if export is not None:
         try:
             if error is None:
