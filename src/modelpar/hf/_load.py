@@ -103,7 +103,7 @@ def load_pretrained(
             with safe_open(file, framework="pt") as handle:
                 for file_name, first in pairs:
                     _load_one(handle, file_name, ours.tensors[first])
-        with _Handles(located) as handles:
+        with Handles(located) as handles:
             for first, parts in picked.items():
                 if isinstance(parts, Stacked):
                     _load_stacked(handles, parts, ours.tensors[first])
@@ -163,7 +163,7 @@ def _load_one(handle: Any, name: str, target: torch.Tensor) -> None:
     local.copy_(value)
 
 
-class _Handles(contextlib.ExitStack):
+class Handles(contextlib.ExitStack):
     """The folder's safetensors files, each memory-mapped once when first needed (per-expert tensors of one
     fused tensor may lie in several files)."""
 
@@ -179,7 +179,7 @@ class _Handles(contextlib.ExitStack):
         return self._open[file].get_slice(name)
 
 
-def _load_stacked(handles: _Handles, stacked: Stacked, target: torch.Tensor) -> None:
+def _load_stacked(handles: Handles, stacked: Stacked, target: torch.Tensor) -> None:
     """Fill ``target``'s local shard of a fused expert tensor from the per-expert file tensors: for this rank's
     block (experts x rows x columns), only the experts it holds and, of each, only the rows and columns it holds."""
     local = target.to_local() if isinstance(target, DTensor) else target
@@ -191,12 +191,17 @@ def _load_stacked(handles: _Handles, stacked: Stacked, target: torch.Tensor) -> 
         full = torch.stack([torch.cat([handles.slice(n)[:] for n in expert]) for expert in stacked.parts])
         local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
         return
-    (e0, experts), (r0, rows), (c0, cols) = block
-    if tuple(local.shape) != (experts, rows, cols):  # never expected: copy_ would broadcast a wrong block
+    if tuple(local.shape) != tuple(length for _, length in block):  # never expected: copy_ would broadcast
         raise NotImplementedError(
             f"Cannot cut the shard of placements {getattr(target, 'placements', None)} and local shape"
             f" {tuple(local.shape)} out of per-expert tensors (block {block}). Please report the layout to modelpar."
         )
+    fill_block(handles, stacked, local, block)
+
+
+def fill_block(handles: Handles, stacked: Stacked, local: torch.Tensor, block: list[tuple[int, int]]) -> None:
+    """Copy the ``block`` ((start, length) of experts, rows, columns) of the fused tensor into ``local``."""
+    (e0, experts), (r0, rows), (c0, cols) = block
     for i, expert in enumerate(stacked.parts[e0 : e0 + experts]):
         offset = 0
         for name in expert:
