@@ -3,7 +3,8 @@
 One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Qwen3 (per-head ``q_norm`` /
 ``k_norm``, replicated with summed gradients), Mistral, OLMo2, Phi-3 and GLM-4 (gathered projections before a
 row-wise layer that splits its replicated input: ``rowwise_split_input``) and MiniCPM3 (MLA: ``mla_kv_a_proj``)
-at 2 (data) x 2 (tensor), Qwen3 with loss parallelism
+at 2 (data) x 2 (tensor), Qwen3-MoE (fused experts from a per-expert folder, saved back per expert) with
+FSDP alone at 4 x 1, Qwen3 with loss parallelism
 and selective activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
 built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
 ``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
@@ -36,12 +37,14 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 import modelpar.hf
 from harness import run_distributed
 from hf_tiny import TINY_SIZES
 from modelpar.hf import plan_for
+from modelpar.hf._files import file_keys
 from modelpar.plans import loss_parallel
 from parity import assert_matches, global_batches, lm_loss, local_slice, make_fabric
 
@@ -55,6 +58,10 @@ FAMILIES: dict[str, Any] = {
     "phi3": lambda: Phi3Config(**TINY_SIZES, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm4": lambda: Glm4Config(**TINY_SIZES, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # MLA: the rope part of kv_a_proj_with_mqa's output reaches every head, so its gradient is summed.
+    # A mixture of experts: its plan's expert styles are refused under TP, so FSDP alone shards the fused experts.
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **TINY_SIZES, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    ),
     "minicpm3": lambda: MiniCPM3Config(
         **TINY_SIZES, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16
     ),
@@ -74,6 +81,7 @@ def tiny_gpt_oss() -> Any:
 def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str, Any]:
     """Meta model -> plan_for -> strategy -> load_pretrained -> AdamW steps, against one process."""
     replicate = options.pop("data_parallel_replicate_size", 1)
+    export = options.pop("export", None)
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         plan = plan_for(AutoModelForCausalLM.from_config(config), **options)
@@ -109,7 +117,23 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     if q_norm is not None:
         out["q_norm"] = [str(p) for p in q_norm.weight.placements]
     out["mesh"] = tuple(fabric.strategy.device_mesh.shape)
+    if export is not None:
+        out.update(export_and_reload(fabric, model, folder.parent / export))
     return out
+
+
+def export_and_reload(fabric: Any, model: Any, folder: Path) -> dict[str, Any]:
+    """save_pretrained of the trained sharded model -> from_pretrained: the same weights and logits."""
+    modelpar.hf.save_pretrained(model, folder)
+    back = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    saved = back.state_dict()
+    for name, param in model.module.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        assert torch.equal(full.detach(), saved[name]), name
+    x, _ = next(iter(global_batches(1)))
+    with torch.no_grad():
+        torch.testing.assert_close(back(local_slice(fabric, x)).logits, model(local_slice(fabric, x)).logits)
+    return {"export_names": sorted(file_keys(folder))}
 
 
 def case_a_plan_sharding_no_layer_is_refused_on_every_rank(dp: int, tp: int) -> dict[str, Any]:
@@ -141,6 +165,7 @@ def grid(root: Path) -> dict[str, Any]:
         "phi3_2x2": lambda: case(root / "phi3", 2, 2, steps=3),
         "glm4_2x2": lambda: case(root / "glm4", 2, 2, steps=2),
         "minicpm3_2x2": lambda: case(root / "minicpm3", 2, 2, steps=3),
+        "qwen3_moe_4x1": lambda: case(root / "qwen3_moe", 4, 1, steps=3, export="qwen3_moe_export"),
         "llama_loss_parallel_2x2": lambda: case(root / "llama", 2, 2, steps=2, loss_parallel=True),
         "qwen3_hsdp_loss_parallel_selective_ac_2x1x2": lambda: case(
             root / "qwen3",
@@ -190,6 +215,21 @@ def test_olmo2_phi3_glm4_and_minicpm3_train_at_2x2_like_one_process_from_pretrai
             assert r[name]["mesh"] == (2, 2), name
             assert r[name]["logits"] == "plain", name
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
+
+
+def test_a_mixture_of_experts_family_trains_with_fsdp_alone_like_one_process_from_pretrained(results):
+    # Before: plan_for refused Qwen3-MoE whatever the layout ('moe_tp_experts', 'packed_colwise').
+    for r in results:
+        assert r["qwen3_moe_4x1"]["mesh"] == (4, 1)
+        assert r["qwen3_moe_4x1"]["losses"][-1] < r["qwen3_moe_4x1"]["losses"][0]
+
+
+def test_a_mixture_of_experts_model_saved_sharded_is_written_per_expert_and_reloads_the_same(results, folders):
+    # Before: load_pretrained refused the per-expert folder (CheckpointKeyError); save_pretrained wrote the
+    # experts fused, unlike transformers. Weights (exactly) and logits were compared on every rank in the grid.
+    written = set(results[0]["qwen3_moe_4x1"]["export_names"])
+    assert written == set(file_keys(folders / "qwen3_moe"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in written
 
 
 def test_qwen3_per_head_norms_are_replicated_on_the_tensor_parallel_axis(results):
