@@ -4,7 +4,7 @@ One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Q
 ``k_norm``, replicated with summed gradients), Mistral, OLMo2, Phi-3 and GLM-4 (gathered projections before a
 row-wise layer that splits its replicated input: ``rowwise_split_input``) and MiniCPM3 (MLA: ``mla_kv_a_proj``)
 at 2 (data) x 2 (tensor), Qwen3-MoE (fused experts from a per-expert folder, saved back per expert) with
-FSDP alone at 4 x 1, Qwen3 with loss parallelism
+FSDP alone at 4 x 1 and on a 4-rank "expert_parallel" axis, Qwen3 with loss parallelism
 and selective activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
 built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
 ``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 pytest.importorskip("transformers")
 from transformers import (
@@ -154,6 +155,25 @@ def case_a_plan_sharding_no_layer_is_refused_on_every_rank(dp: int, tp: int) -> 
     return {"error": error, "sum": t.item()}
 
 
+def case_experts_sharded_over_an_expert_parallel_axis_load_their_own_blocks(folder: Path) -> dict[str, Any]:
+    """Fused experts as DTensors on a 4-rank "expert_parallel" axis (experts, or hidden columns, split) are
+    filled from the per-expert folder like ``from_pretrained``'s."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("expert_parallel",))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.gate_up_proj = torch.nn.Parameter(
+            distribute_tensor(torch.zeros_like(experts.gate_up_proj), mesh, [Shard(0)])
+        )
+        experts.down_proj = torch.nn.Parameter(distribute_tensor(torch.zeros_like(experts.down_proj), mesh, [Shard(1)]))
+    modelpar.hf.load_pretrained(model, folder)
+    want = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        assert torch.equal(full, want[name]), name
+    return {"local": list(model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape)}
+
+
 def grid(root: Path) -> dict[str, Any]:
     cases = {
         "gpt_oss_refused_2x2": lambda: case_a_plan_sharding_no_layer_is_refused_on_every_rank(2, 2),
@@ -166,6 +186,9 @@ def grid(root: Path) -> dict[str, Any]:
         "glm4_2x2": lambda: case(root / "glm4", 2, 2, steps=2),
         "minicpm3_2x2": lambda: case(root / "minicpm3", 2, 2, steps=3),
         "qwen3_moe_4x1": lambda: case(root / "qwen3_moe", 4, 1, steps=3, export="qwen3_moe_export"),
+        "qwen3_moe_expert_axis_4": lambda: case_experts_sharded_over_an_expert_parallel_axis_load_their_own_blocks(
+            root / "qwen3_moe"
+        ),
         "llama_loss_parallel_2x2": lambda: case(root / "llama", 2, 2, steps=2, loss_parallel=True),
         "qwen3_hsdp_loss_parallel_selective_ac_2x1x2": lambda: case(
             root / "qwen3",
@@ -230,6 +253,12 @@ def test_a_mixture_of_experts_model_saved_sharded_is_written_per_expert_and_relo
     written = set(results[0]["qwen3_moe_4x1"]["export_names"])
     assert written == set(file_keys(folders / "qwen3_moe"))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in written
+
+
+def test_fused_experts_sharded_over_an_expert_parallel_axis_load_from_a_per_expert_folder(results):
+    # Before: CheckpointKeyError (the fused tensors missing, the per-expert ones unexpected).
+    for r in results:
+        assert r["qwen3_moe_expert_axis_4"]["local"] == [1, 32, 32]  # one expert per rank
 
 
 def test_qwen3_per_head_norms_are_replicated_on_the_tensor_parallel_axis(results):
