@@ -91,14 +91,15 @@ class Stacked:
 
 
 def group_experts(
-    to_model: Mapping[str, str], model_names: Collection[str]
+    to_model: Mapping[str, str], model_names: Collection[str], *, strict: bool = True
 ) -> tuple[dict[str, str], dict[str, Stacked]]:
     """Split ``to_model`` (file name -> model name) into the names loaded one to one and the fused model tensors
     gathered from per-expert file tensors (model name -> :class:`Stacked`).
 
     A file name is only reinterpreted when its own name is not the model's: a per-expert tensor whose fused
     tensor the model has joins it; ``block_sparse_moe.X`` becomes ``mlp.X`` where the model has that. A set of
-    experts with gaps (``experts.0`` and ``experts.2`` only) raises :class:`~modelpar.CheckpointKeyError`.
+    experts with gaps (``experts.0`` and ``experts.2`` only) raises :class:`~modelpar.CheckpointKeyError`, or with
+    ``strict=False`` is left ungrouped (its fused tensor is then missing, its file tensors unexpected).
     """
     direct: dict[str, str] = {}
     found: dict[str, dict[int, dict[str, str]]] = {}  # fused model name -> expert -> projection -> file name
@@ -117,7 +118,20 @@ def group_experts(
                 continue
         renamed = _to_mlp(name)
         direct[file_name] = renamed if name not in model_names and renamed in model_names else name
-    return direct, {fused: _stack(fused, experts, layout_of[fused]) for fused, experts in found.items()}
+    stacked: dict[str, Stacked] = {}
+    for fused, experts in found.items():
+        gaps = _gaps(fused, experts, layout_of[fused])
+        if gaps and strict:
+            raise CheckpointKeyError(
+                f"The folder holds {fused!r} per expert ({layout_of[fused].name} layout) with tensors missing:"
+                f" {gaps[:4]}{' ...' if len(gaps) > 4 else ''}. Download or copy the complete folder, or pass"
+                " `strict=False` to load the other tensors."
+            )
+        if gaps:
+            direct.update({file_name: to_model[file_name] for e in experts.values() for file_name in e.values()})
+        else:
+            stacked[fused] = Stacked(tuple(tuple(experts[e].values()) for e in range(len(experts))))
+    return direct, stacked
 
 
 def _projs(layout: ExpertLayout) -> tuple[str, str, str]:
@@ -131,15 +145,12 @@ def _to_mlp(name: str) -> str:
     return name
 
 
-def _stack(fused: str, experts: dict[int, dict[str, str]], layout: ExpertLayout) -> Stacked:
+def _gaps(fused: str, experts: dict[int, dict[str, str]], layout: ExpertLayout) -> list[str]:
+    """The per-expert tensors a complete set would add; orders each expert's file names gate first."""
     projs = (layout.down,) if fused.endswith("down_proj") else (layout.gate, layout.up)
-    gaps = [f"experts.{e}.{proj}" for e in range(max(experts) + 1) for proj in projs if proj not in experts.get(e, {})]
-    if gaps:
-        raise CheckpointKeyError(
-            f"The folder holds {fused!r} per expert ({layout.name} layout) with tensors missing: {gaps[:4]}"
-            f"{' ...' if len(gaps) > 4 else ''}. Download or copy the complete folder."
-        )
-    return Stacked(tuple(tuple(experts[e][proj] for proj in projs) for e in range(len(experts))))
+    for e, by_proj in experts.items():
+        experts[e] = {proj: by_proj[proj] for proj in projs if proj in by_proj}
+    return [f"experts.{e}.{proj}" for e in range(max(experts) + 1) for proj in projs if proj not in experts.get(e, {})]
 
 
 def stacked_shape(name: str, stacked: Stacked, shapes: Mapping[str, tuple[int, ...]], where: str) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from modelpar.hf._experts import Stacked, group_experts, stacked_shape
 from modelpar.hf._files import file_keys
 from modelpar.hf._keys import ignored_unexpected, map_file_keys, model_tensors, unwrap
 
-__all__ = ["load_pretrained"]
+__all__ = ["Handles", "fill_block", "load_pretrained"]
 
 
 def load_pretrained(
@@ -67,7 +67,7 @@ def load_pretrained(
         _check_dtype(ours.tensors, dtype)
     ignored = ignored_unexpected(module)
     to_model = map_file_keys(located, ours.tensors, getattr(module, "base_model_prefix", "") or "")
-    direct, stacked = group_experts(to_model, ours.tensors)
+    direct, stacked = group_experts(to_model, ours.tensors, strict=strict)
     from_file: dict[str, str | Stacked] = {model_name: file_name for file_name, model_name in direct.items()}
     from_file.update(stacked)
     unexpected = [k for k, name in direct.items() if name not in ours.tensors and not any(p.search(k) for p in ignored)]
