@@ -62,8 +62,14 @@ def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
         assert torch.equal(got(tokens()).logits, want(tokens()).logits)
 
 
-def test_the_public_surface_is_load_save_export_and_plan():
-    assert modelpar.hf.__all__ == ["load_pretrained", "save_pretrained", "export_checkpoint", "plan_for"]
+def test_the_public_surface_is_load_save_export_plan_and_the_refusal_error():
+    assert modelpar.hf.__all__ == [
+        "RefusedStyleError",
+        "load_pretrained",
+        "save_pretrained",
+        "export_checkpoint",
+        "plan_for",
+    ]
 
 
 def test_importing_without_transformers_names_the_extra(monkeypatch):
