@@ -67,8 +67,9 @@ def saved_for_backward(model: nn.Module, step: Callable[[], Any]) -> tuple[int, 
     return sum(saved.values()), result
 
 
-#: Calibration models: modelpar's Llama and two Hugging Face families, sized so activations are not tiny.
-CALIBRATION_MODELS = ("llama", "hf-llama", "hf-qwen3")
+#: Calibration models: modelpar's Llama and two Hugging Face families, sized so activations are not tiny, and
+#: mixtures of experts: modelpar's Llama MoE (8 experts, top-2, every other layer a MoE), Qwen3-MoE and Mixtral.
+CALIBRATION_MODELS = ("llama", "hf-llama", "hf-qwen3", "llama-moe", "hf-qwen3-moe", "hf-mixtral")
 _HF_SIZES: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -83,19 +84,36 @@ _HF_SIZES: dict[str, Any] = dict(
 def calibration_model(kind: str, seq_len: int, *, meta: bool = False) -> nn.Module:
     """One of :data:`CALIBRATION_MODELS` (on the meta device when ``meta``)."""
     with torch.device("meta" if meta else "cpu"):
-        if kind == "llama":
+        if kind in ("llama", "llama-moe"):
             from modelpar.models import Llama, LlamaConfig
 
+            moe = {"n_experts": 8, "top_k": 2, "moe_hidden": 64, "moe_every": 2} if kind == "llama-moe" else {}
             return Llama(
                 LlamaConfig(
-                    vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256, max_seq_len=seq_len
+                    vocab_size=256,
+                    dim=128,
+                    n_layers=2,
+                    n_heads=4,
+                    n_kv_heads=2,
+                    ffn_hidden=256,
+                    max_seq_len=seq_len,
+                    **moe,
                 )
             )
         import transformers
 
-        config_cls = {"hf-llama": transformers.LlamaConfig, "hf-qwen3": transformers.Qwen3Config}[kind]
+        config_cls = {
+            "hf-llama": transformers.LlamaConfig,
+            "hf-qwen3": transformers.Qwen3Config,
+            "hf-qwen3-moe": transformers.Qwen3MoeConfig,
+            "hf-mixtral": transformers.MixtralConfig,
+        }[kind]
+        moe = {
+            "hf-qwen3-moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
+            "hf-mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+        }.get(kind, {})
         return transformers.AutoModelForCausalLM.from_config(
-            config_cls(**_HF_SIZES, max_position_embeddings=seq_len, head_dim=32)
+            config_cls(**{**_HF_SIZES, **moe}, max_position_embeddings=seq_len, head_dim=32)
         )
 
 
@@ -107,14 +125,14 @@ def measure_single_process(kind: str, *, seq_len: int, checkpointing: str, dtype
 
     torch.manual_seed(0)
     model = calibration_model(kind, seq_len).to(dtype)
-    layers = model.layers if kind == "llama" else model.model.layers
+    layers = model.layers if kind.startswith("llama") else model.model.layers
     if checkpointing != "none":
         for layer in layers:
             checkpoint_module(layer, checkpointing)  # type: ignore[arg-type]
     tokens = torch.randint(0, 256, (batch, seq_len))
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(tokens) if kind == "llama" else model(input_ids=tokens, use_cache=False).logits
+        logits = model(tokens) if kind.startswith("llama") else model(input_ids=tokens, use_cache=False).logits
         return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
 
     return live_after(step)[0]
@@ -127,6 +145,8 @@ def estimate_single_process(kind: str, *, seq_len: int, checkpointing: str, dtyp
     model = calibration_model(kind, seq_len, meta=True)
     if kind == "llama":
         from modelpar.plans import LLAMA_PLAN as plan
+    elif kind == "llama-moe":
+        from modelpar.plans import LLAMA_MOE_PLAN as plan
     else:
         from modelpar.hf import plan_for
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from modelpar._moe_estimate import MoEShape, moe_layer_bytes, moe_shape
 from modelpar.plans._plan import ParallelPlan
 
 __all__ = [
@@ -68,6 +69,7 @@ class DecoderShape:
     repeats_kv: bool  # K and V repeated to every query head before the attention kernel
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     rope_tables: bool  # cos / sin computed per forward and kept once (Hugging Face)
+    moe: MoEShape | None = None  # the MoE layers (modelpar._moe_estimate), None for a dense model
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def decoder_shape(model: nn.Module) -> DecoderShape:
             repeats_kv=True,
             qk_norm=False,
             rope_tables=False,
+            moe=moe_shape(model),
         )
     needed = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
     if config is None or not all(isinstance(getattr(config, k, None), int) for k in needed):
@@ -122,6 +125,7 @@ def decoder_shape(model: nn.Module) -> DecoderShape:
         repeats_kv=attention == "eager",
         qk_norm=any(name.endswith("self_attn.q_norm") for name, _ in model.named_modules()),
         rope_tables=True,
+        moe=moe_shape(model),
     )
 
 
@@ -176,32 +180,53 @@ def activation_bytes(
         norms += _norm(rows * h, e, a, copies) + _norm(rows * g, e, a, copies)
     attention = rows * e * (2 * h + 2 * kv_seen) * a + batch * h * s * _FP32 + cp_extra
     mlp = 4 * rows * f * a
-    full_layer = norms + attention + mlp
     layer_input = stream_rows * d * a
-    selective_layer = layer_input + rows * e * (h + 2 * g) * a + 2 * rows * d * a + 2 * rows * f * a + rows * h * e * a
-    selective_layer += batch * h * s * _FP32
-    checkpointed = shape.layers // ac_every if checkpointing != "none" else 0
-    per_checkpointed = layer_input if checkpointing == "full" else selective_layer
+    selective_attention = layer_input + rows * e * (h + 2 * g) * a + rows * d * a + rows * h * e * a
+    selective_attention += batch * h * s * _FP32
     cp_kv = cp_gathered_kv(shape, batch=batch, seq_len=seq_len, tp=tp, a=a) if cp > 1 else 0
+    dense = kept = moe = checkpointed = recompute = 0
+    for index in range(shape.layers):
+        is_moe = shape.moe is not None and index in shape.moe.layer_ids
+        ffn = _moe_ffn(shape, rows, a, "none") if is_moe else mlp
+        ffn_selective = _moe_ffn(shape, rows, a, "selective") if is_moe else rows * d * a + 2 * rows * f * a
+        if checkpointing == "none" or (index + 1) % ac_every:
+            dense += norms + attention + (0 if is_moe else ffn)
+            moe += ffn if is_moe else 0
+            continue
+        checkpointed += 1
+        if checkpointing == "full":
+            kept += layer_input
+            recompute = max(recompute, norms + attention + ffn + cp_kv - layer_input)
+        else:
+            kept += selective_attention + (0 if is_moe else ffn_selective)
+            moe += ffn_selective if is_moe else 0
+            recompute = max(recompute, norms + attention + ffn + cp_kv - selective_attention - ffn_selective)
+    n_moe = len(shape.moe.layer_ids) if shape.moe is not None else 0
+    moe_name = f"MoE feed-forwards, {n_moe} layers (balanced routing)"
 
     vocab = shape.vocab // tp if loss_parallel else shape.vocab
     parts = [
         ("token ids", rows * _INDEX),
-        ("layers, not checkpointed", (shape.layers - checkpointed) * full_layer),
-        (f"layers, {checkpointing} checkpointing", checkpointed * per_checkpointed),
+        ("layers, not checkpointed", dense),
+        (f"layers, {checkpointing} checkpointing", kept),
         ("cp gathered K/V", (shape.layers - checkpointed) * cp_kv),
+        (moe_name, moe),
         ("final norm, LM head input", _norm(stream_rows, d, a, copies) + rows * d * a),
         ("logits", rows * vocab * a),
         ("log-probabilities (fp32)", rows * vocab * _FP32),
     ]
     if shape.rope_tables:
         parts.append(("rotary cos/sin", 2 * s * e * a))
-    recompute = full_layer + cp_kv - per_checkpointed if checkpointed else 0
     return ActivationEstimate(
         parts=tuple((name, size) for name, size in parts if size),
         recompute=recompute,
         loss_backward=2 * rows * vocab * _FP32,
     )
+
+
+def _moe_ffn(shape: DecoderShape, rows: int, a: int, checkpointing: str) -> int:
+    assert shape.moe is not None  # only called for MoE layers
+    return moe_layer_bytes(shape.moe, rows=rows, dim=shape.hidden, a=a, checkpointing=checkpointing)
 
 
 def check_sequence(seq_len: int | None, batch: int, cp: int, tp: int, plan: ParallelPlan) -> int:
