@@ -202,7 +202,7 @@ def activation_bytes(
             moe += ffn_selective if is_moe else 0
             recompute = max(recompute, norms + attention + ffn + cp_kv - selective_attention - ffn_selective)
     n_moe = len(shape.moe.layer_ids) if shape.moe is not None else 0
-    moe_name = f"MoE feed-forwards, {n_moe} layers (balanced routing)"
+    moe_name = f"MoE feed-forwards ({n_moe} layer{'s' * (n_moe != 1)})"
 
     vocab = shape.vocab // tp if loss_parallel else shape.vocab
     parts = [

@@ -85,8 +85,10 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
         " of --world-size ranks whose peak fits --gpu-memory, best first: least recomputation (AC none, then"
         " selective, then full: recomputation costs compute every step), then the smallest tensor-parallel size,"
         " then the smallest context-parallel size (both add collectives inside every layer), then the fewest"
-        " replicas, then the smallest peak. Not modelled: allocator slack, NCCL buffers, the CUDA context (see"
-        " docs/memory.md); leave a few GiB of headroom.",
+        " replicas, then the smallest peak; for a MoE with a plan that splits experts, every expert-parallel size"
+        " that divides the ranks sharding each replica and the experts (not with context parallelism). Not"
+        " modelled: allocator slack, NCCL buffers, the CUDA context, MoE routing imbalance (see docs/memory.md);"
+        " leave a few GiB of headroom.",
     )
     model = estimate.add_mutually_exclusive_group(required=True)
     model.add_argument("--llama", metavar="JSON", help="modelpar.models.LlamaConfig fields, e.g. '{\"dim\": 4096}'")
@@ -97,6 +99,9 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     estimate.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default: 1)")
     estimate.add_argument("--replicate", type=int, default=1, help="data_parallel_replicate_size (default: 1)")
     estimate.add_argument("--cp", type=int, default=1, help="context-parallel size (default: 1)")
+    estimate.add_argument(
+        "--ep", type=int, default=1, help="expert_parallel_size, for modelpar's MoE Llama (--llama with n_experts)"
+    )
     estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw", help="default: adamw")
     estimate.add_argument("--precision", choices=SUPPORTED_PRECISIONS, default="32-true", help="default: 32-true")
     estimate.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload of the sharded state")
@@ -123,6 +128,8 @@ def _estimate(args: argparse.Namespace) -> None:
 
     if args.search and (args.world_size is None or args.gpu_memory is None or args.seq_len is None):
         args.subparser.error("--search needs --world-size, --gpu-memory and --seq-len")
+    if args.search and args.ep != 1:
+        args.subparser.error("--ep applies without --search (--search tries every expert-parallel size that fits)")
     if not args.search and (args.world_size is not None or args.gpu_memory is not None):
         args.subparser.error("--world-size and --gpu-memory apply to --search only")
     model, plan = llama_on_meta(args.llama) if args.llama is not None else hf_on_meta(args.hf_config)
@@ -159,6 +166,7 @@ def _estimate(args: argparse.Namespace) -> None:
             tensor_parallel_size=args.tp,
             data_parallel_replicate_size=args.replicate,
             context_parallel_size=args.cp,
+            expert_parallel_size=args.ep,
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch,
             **common,

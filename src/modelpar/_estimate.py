@@ -35,6 +35,7 @@ from modelpar._fsdp import FSDPOptions
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._mesh import MeshLayout, check_size_arg
 from modelpar._meta_models import hf_on_meta, llama_on_meta
+from modelpar._moe_estimate import all_to_all_bytes, expert_units, moe_notes, refuse_hugging_face_experts
 from modelpar._precision import SUPPORTED_PRECISIONS
 from modelpar._transients import ROOT, worst_moment
 from modelpar.plans._checks import resolve_styles, resolve_units
@@ -131,6 +132,11 @@ class MemoryEstimate:
             + (f" {layout.context_parallel_size} context-parallel x" if layout.context_parallel_size > 1 else "")
             + f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
         )
+        if layout.expert_parallel_size > 1:
+            group = layout.expert_shard_size
+            head += f"\nexperts: {layout.expert_parallel_size}-way expert parallel (whole experts), " + (
+                f"FSDP over the {group} ranks holding the same ones" if group > 1 else "no FSDP (one rank holds each)"
+            )
         lines = [head, f"{'':<18}{'':<34}{'device':>12}" + (f"{'host':>12}" if offload else "")]
         for name, what, size, on_host in rows:
             cells = ("", _human(size)) if on_host else (_human(size), "")
@@ -186,6 +192,7 @@ def estimate_memory(
     micro_batch_size: int = 1,
     context_parallel_size: int = 1,
     reshard_after_forward: bool | None = None,
+    expert_parallel_size: int = 1,
 ) -> MemoryEstimate:
     """Bytes per rank that ``plan`` on this layout needs for ``model``'s state, computed without running anything.
 
@@ -225,7 +232,7 @@ def estimate_memory(
             " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
         )
     cp = check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
-    layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size, cp)
+    layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size, cp, expert_parallel_size)
     GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
     states = _optimizer_states(optimizer)
     if precision not in SUPPORTED_PRECISIONS:
@@ -248,7 +255,9 @@ def estimate_memory(
         strategy_name="estimate_memory",
     )
     policy = plan.mp_policy if plan.mp_policy is not None else options.mp_policy
-    plan.check(model, tp, cp)
+    refuse_hugging_face_experts(model, plan.experts, layout.expert_parallel_size)
+    plan.check(model, tp, cp, layout.expert_parallel_size)
+    experts = expert_units(model, plan.experts, layout.expert_parallel_size)
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
     units = resolve_units(model, plan.fsdp_units)
     notes: set[str] = set()
@@ -271,13 +280,16 @@ def estimate_memory(
             if dim is not None:
                 shape[dim] //= tp
         rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-        chunk = math.ceil(rows / shard)
+        unit, group = experts.get(module_name), shard
+        if unit is not None:  # E / ep whole experts, FSDP over the ranks holding the same ones, their own unit
+            rows, group = rows // layout.expert_parallel_size, layout.expert_shard_size
+        chunk = math.ceil(rows / group)
         sharded += chunk * rest * storage.itemsize
         optimizer_bytes += states * chunk * rest * storage.itemsize
         unsharded_grads += rows * rest * reduce.itemsize
-        unit = _unit_of(module_name, units)
-        gathered[unit] = gathered.get(unit, 0) + chunk * shard * rest * compute.itemsize
-        reduce_buffer[unit] = reduce_buffer.get(unit, 0) + chunk * shard * rest * reduce.itemsize
+        unit = unit or _unit_of(module_name, units)
+        gathered[unit] = gathered.get(unit, 0) + chunk * group * rest * compute.itemsize
+        reduce_buffer[unit] = reduce_buffer.get(unit, 0) + chunk * group * rest * reduce.itemsize
     largest = max(gathered, key=lambda u: gathered[u]) if gathered else ROOT
     unit_bytes = gathered.get(largest, 0)
     grads = unsharded_grads if gradient_accumulation == "unsharded" else sharded
@@ -288,10 +300,12 @@ def estimate_memory(
     resharding = (
         plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
     ) is not False
-    activations = None
+    activations, decoder = None, None
+    extras: dict[str, tuple[tuple[str, int], ...]] = {}
     if seq_len is not None:
+        decoder = decoder_shape(model)
         activations = activation_bytes(
-            decoder_shape(model),
+            decoder,
             batch=micro_batch_size,
             seq_len=seq_len,
             act_bytes=compute_dtype.itemsize,
@@ -302,8 +316,18 @@ def estimate_memory(
             checkpointing=plan.activation_checkpointing,
             ac_every=plan.ac_every,
         )
+    if seq_len is not None and decoder is not None and decoder.moe is not None and experts:  # dispatch / combine
+        a2a = all_to_all_bytes(
+            decoder.moe, rows=micro_batch_size * seq_len, dim=decoder.hidden, a=compute_dtype.itemsize
+        )
+        extras = {unit: (("all-to-all send + receive", a2a),) for unit in experts.values()}
     moment_name, moment = worst_moment(
-        gathered, reduce_buffer, activations, resharding=resharding, accumulate=gradient_accumulation == "unsharded"
+        gathered,
+        reduce_buffer,
+        activations,
+        resharding=resharding,
+        accumulate=gradient_accumulation == "unsharded",
+        unit_extras=extras,
     )
     root = gathered.get(ROOT, 0) if resharding else sum(gathered.values())
     host = 0
@@ -324,7 +348,7 @@ def estimate_memory(
         gradient_accumulation=gradient_accumulation,
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
-        notes=tuple(sorted(notes)),
+        notes=tuple(sorted(notes | moe_notes(decoder, layout.expert_parallel_size))),
         root_gathered=root,
         activations=activations,
         moment=moment,
@@ -334,7 +358,7 @@ def estimate_memory(
 
 
 def _layout(
-    data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int, cp: int
+    data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int, cp: int, ep: int
 ) -> MeshLayout:
     sizes = {
         "data_parallel_size": data_parallel_size,
@@ -357,6 +381,7 @@ def _layout(
         devices_per_node=world,
         data_parallel_replicate_size=data_parallel_replicate_size,
         context_parallel_size=cp,
+        expert_parallel_size=ep,
     )
 
 

@@ -1,10 +1,14 @@
-"""Which layouts of a model fit a GPU: every (data parallel, replicas, context parallel, tensor parallel, AC) of a
-world size, estimated with :func:`~modelpar.estimate_memory`, those whose peak fits, best first.
+"""Which layouts of a model fit a GPU: every (data parallel, replicas, context parallel, tensor parallel, expert
+parallel, AC) of a world size, estimated with :func:`~modelpar.estimate_memory`, those whose peak fits, best first.
 
 The rule, best first: least recomputation (activation checkpointing ``none``, then ``selective``, then
 ``full``: recomputation costs compute in every step), then the smallest tensor-parallel size, then the smallest
 context-parallel size (both add collectives inside every layer, on the critical path), then the fewest
-replicas (HSDP replicas hold a whole copy of the sharded state), then the smallest peak.
+replicas (HSDP replicas hold a whole copy of the sharded state), then the smallest peak (where expert parallelism
+shows: it keeps the sharded state per rank but gathers ``E / ep`` experts instead of all), then the smallest
+expert-parallel size. Expert-parallel sizes are tried for plans that split experts (``ParallelPlan.experts``):
+those dividing the ranks that shard each replica and every MoE module's experts, with ``cp = 1`` (expert
+parallelism refuses context parallelism).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from modelpar._estimate import MemoryEstimate, estimate_memory
+from modelpar.plans._experts import moe_modules
 from modelpar.plans._plan import ParallelPlan
 
 __all__ = ["Fit", "format_fits", "parse_memory", "search_layouts"]
@@ -44,19 +49,34 @@ class Fit:
     tensor_parallel: int
     checkpointing: str
     estimate: MemoryEstimate
+    expert_parallel: int = 1
 
-    def rank_key(self) -> tuple[int, int, int, int, int]:
+    def rank_key(self) -> tuple[int, int, int, int, int, int]:
         return (
             _AC_ORDER.index(self.checkpointing),
             self.tensor_parallel,
             self.context_parallel,
             self.replicate,
             self.estimate.peak,
+            self.expert_parallel,
         )
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _expert_sizes(model: nn.Module, plan: ParallelPlan, shard_ranks: int) -> list[int]:
+    """Expert-parallel sizes to try: 1, or for a plan that splits experts those dividing the shard ranks and experts."""
+    if not plan.experts:
+        return [1]
+    modules = moe_modules(model, plan.experts, 1)
+    counts = {_n_experts(model.get_submodule(f"{name}.experts")) for name in modules}
+    return [ep for ep in _divisors(shard_ranks) if all(n % ep == 0 for n in counts)]
+
+
+def _n_experts(experts: nn.Module) -> int:
+    return next(experts.parameters()).shape[0]
 
 
 def search_layouts(
@@ -72,7 +92,8 @@ def search_layouts(
     """(layouts whose peak fits ``gpu_memory``, best first; how many layouts were tried).
 
     Tensor-parallel sizes divide the key-value heads (and every dim the plan splits); context-parallel sizes
-    divide ``seq_len``; replicas divide the data-parallel size; ``dp x cp x tp = world_size``. ``kwargs`` go to
+    divide ``seq_len``; replicas divide the data-parallel size; ``dp x cp x tp = world_size``; expert-parallel
+    sizes (plans with ``experts``, ``cp = 1``) divide the ranks sharding each replica and the experts. ``kwargs`` go to
     :func:`~modelpar.estimate_memory` (``precision``, ``optimizer`` ...).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -91,21 +112,23 @@ def search_layouts(
                 continue
             dp = world_size // (tp * cp)
             for replicate in _divisors(dp):
-                for ac in _AC_ORDER:
-                    tried += 1
-                    estimate = estimate_memory(
-                        model,
-                        plan=plan.replace(activation_checkpointing=ac),
-                        data_parallel_size=dp,
-                        tensor_parallel_size=tp,
-                        data_parallel_replicate_size=replicate,
-                        context_parallel_size=cp,
-                        seq_len=seq_len,
-                        micro_batch_size=micro_batch_size,
-                        **kwargs,  # type: ignore[arg-type]
-                    )
-                    if estimate.peak <= gpu_memory:
-                        fits.append(Fit(dp, replicate, cp, tp, ac, estimate))
+                for ep in _expert_sizes(model, plan, dp // replicate) if cp == 1 else [1]:
+                    for ac in _AC_ORDER:
+                        tried += 1
+                        estimate = estimate_memory(
+                            model,
+                            plan=plan.replace(activation_checkpointing=ac),
+                            data_parallel_size=dp,
+                            tensor_parallel_size=tp,
+                            data_parallel_replicate_size=replicate,
+                            context_parallel_size=cp,
+                            expert_parallel_size=ep,
+                            seq_len=seq_len,
+                            micro_batch_size=micro_batch_size,
+                            **kwargs,  # type: ignore[arg-type]
+                        )
+                        if estimate.peak <= gpu_memory:
+                            fits.append(Fit(dp, replicate, cp, tp, ac, estimate, ep))
     return sorted(fits, key=Fit.rank_key), tried
 
 
@@ -118,14 +141,17 @@ def format_fits(fits: list[Fit], tried: int, *, world_size: int, gpu_memory: int
             f"{head}: none of the {tried} tried fits. Add ranks, shorten --seq-len or --micro-batch, or use"
             " --precision bf16-true / --cpu-offload."
         )
-    rule = "best first: least recomputation (AC none < selective < full), then smallest tp, cp, replicas, peak"
+    rule = "best first: least recomputation (AC none < selective < full), then smallest tp, cp, replicas, peak, ep"
     lines = [f"{head} ({len(fits)} of {tried}; {rule}):"]
-    lines.append(f"{'dp':>4} {'replicate':>9} {'cp':>4} {'tp':>4} {'AC':>10} {'peak GiB':>9} {'activations':>12}")
+    lines.append(
+        f"{'dp':>4} {'replicate':>9} {'cp':>4} {'tp':>4} {'ep':>4} {'AC':>10} {'peak GiB':>9} {'activations':>12}"
+    )
     for fit in fits[:limit]:
         e = fit.estimate
+        sizes = (fit.data_parallel, fit.replicate, fit.context_parallel, fit.tensor_parallel, fit.expert_parallel)
         lines.append(
-            f"{fit.data_parallel:>4} {fit.replicate:>9} {fit.context_parallel:>4} {fit.tensor_parallel:>4}"
-            f" {fit.checkpointing:>10} {e.peak / gib:>9.2f} {e.stored_activations / gib:>12.2f}"
+            " ".join(f"{size:>{width}}" for size, width in zip(sizes, (4, 9, 4, 4, 4), strict=True))
+            + f" {fit.checkpointing:>10} {e.peak / gib:>9.2f} {e.stored_activations / gib:>12.2f}"
         )
     if len(fits) > limit:
         lines.append(f"... and {len(fits) - limit} more")

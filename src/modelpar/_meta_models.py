@@ -15,9 +15,12 @@ __all__ = ["hf_on_meta", "llama_on_meta"]
 
 
 def llama_on_meta(config_json: str) -> tuple[nn.Module, ParallelPlan]:
-    """``modelpar.models.Llama`` on the meta device from ``LlamaConfig`` fields as JSON, with ``LLAMA_PLAN``."""
+    """``modelpar.models.Llama`` on the meta device from ``LlamaConfig`` fields as JSON, with ``LLAMA_PLAN``.
+
+    With ``n_experts`` (the MoE variant) the plan is ``LLAMA_MOE_PLAN``, which can split the experts.
+    """
     from modelpar.models import Llama, LlamaConfig
-    from modelpar.plans import LLAMA_PLAN
+    from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN
 
     values = json.loads(config_json)
     known = [f.name for f in fields(LlamaConfig)]
@@ -27,8 +30,9 @@ def llama_on_meta(config_json: str) -> tuple[nn.Module, ParallelPlan]:
             f"--llama: {unknown!r} are not LlamaConfig fields. Pass a JSON object with some of {known}, e.g."
             ' \'{"dim": 4096, "n_layers": 32}\'.'
         )
+    config = LlamaConfig(**values)
     with torch.device("meta"):
-        return Llama(LlamaConfig(**values)), LLAMA_PLAN
+        return Llama(config), LLAMA_MOE_PLAN if config.n_experts else LLAMA_PLAN
 
 
 def hf_on_meta(path: Path) -> tuple[nn.Module, ParallelPlan]:

@@ -39,7 +39,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["MoEShape", "all_to_all_bytes", "expert_modules", "moe_layer_bytes", "moe_shape"]
+__all__ = [
+    "MoEShape",
+    "all_to_all_bytes",
+    "expert_modules",
+    "expert_units",
+    "moe_layer_bytes",
+    "moe_notes",
+    "moe_shape",
+    "refuse_hugging_face_experts",
+]
 
 _FP32 = 4
 _INDEX = 8
@@ -112,6 +121,23 @@ def moe_shape(model: nn.Module) -> MoEShape | None:
     )
 
 
+def moe_notes(shape: object, expert_parallel_size: int) -> set[str]:
+    """What the table says about a MoE model's activations (``shape``: the model's ``DecoderShape`` or ``None``)."""
+    moe = getattr(shape, "moe", None)
+    if moe is None:
+        return set()
+    notes = {
+        f"MoE ({moe.n_experts} experts, top-{moe.top_k}): balanced routing assumed, dropless (no capacity); an"
+        " overloaded expert's rank keeps more activations than counted."
+    }
+    if expert_parallel_size > 1:
+        notes.add(
+            "all-to-all buffers: each dispatch and combine sends and receives tokens x top_k x dim (balanced),"
+            " counted in the experts' backward, one at a time."
+        )
+    return notes
+
+
 def moe_layer_bytes(shape: MoEShape, *, rows: int, dim: int, a: int, checkpointing: str) -> int:
     """What one MoE layer's feed-forward keeps for backward on ``rows`` tokens (see the module docstring)."""
     t, e, k, h = rows, shape.n_experts, shape.top_k, shape.hidden
@@ -130,3 +156,27 @@ def moe_layer_bytes(shape: MoEShape, *, rows: int, dim: int, a: int, checkpointi
 def all_to_all_bytes(shape: MoEShape, *, rows: int, dim: int, a: int) -> int:
     """One token all-to-all's send and receive buffers on one rank, balanced routing: ``2 x rows x top_k x dim x a``."""
     return 2 * rows * shape.top_k * dim * a
+
+
+def expert_units(model: nn.Module, patterns: tuple[str, ...], expert_parallel_size: int) -> dict[str, str]:
+    """``{experts submodule name: its FSDP unit}`` under expert parallelism; empty at ``expert_parallel_size = 1``.
+
+    ``patterns`` are the plan's ``experts`` (already checked by ``ParallelPlan.check``); each MoE module's
+    ``experts`` becomes its own FSDP unit, as ``modelpar.moe.parallelize_experts`` makes it.
+    """
+    if expert_parallel_size == 1:
+        return {}
+    from modelpar.plans._experts import moe_modules
+
+    return {f"{name}.experts": f"{name}.experts" for name in moe_modules(model, patterns, expert_parallel_size)}
+
+
+def refuse_hugging_face_experts(model: nn.Module, patterns: tuple[str, ...], expert_parallel_size: int) -> None:
+    """Raise ``ValueError`` for expert parallelism on a model whose MoE modules the plan does not name (HF's)."""
+    if expert_parallel_size > 1 and not patterns and expert_modules(model):
+        raise ValueError(
+            f"`expert_parallel_size={expert_parallel_size}`: {type(model).__name__}'s experts are not modelpar MoE"
+            " modules, and expert parallelism is built for `modelpar.models.moe.MoE` only (`LLAMA_MOE_PLAN`); a"
+            " Hugging Face mixture of experts shards its experts with FSDP alone. Estimate it with"
+            " `expert_parallel_size=1` (`--ep 1`)."
+        )

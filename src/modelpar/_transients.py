@@ -31,8 +31,12 @@ def worst_moment(
     *,
     resharding: bool,
     accumulate: bool,
+    unit_extras: dict[str, tuple[tuple[str, int], ...]] | None = None,
 ) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """The largest single extra of backward: the loss's gradients, or one unit's backward (name, parts)."""
+    """The largest single extra of backward: the loss's gradients, or one unit's backward (name, parts).
+
+    ``unit_extras`` adds parts to a unit's backward: an experts unit's all-to-all buffers under expert parallelism.
+    """
     recompute = activations.recompute if activations is not None else 0
     candidates: list[tuple[str, tuple[tuple[str, int], ...]]] = []
     if activations is not None:
@@ -43,6 +47,7 @@ def worst_moment(
             ("unsharded gradients", 0 if accumulate else size),
             ("reduce-scatter input", reduce_buffer[unit]),
             ("recomputed activations", recompute if unit != ROOT else 0),
+            *(unit_extras or {}).get(unit, ()),
         )
         candidates.append((f"backward of {unit}", parts))
     if not candidates:

@@ -94,7 +94,21 @@ def case_moe_trains_like_one_process(dp: int, tp: int, ep: int, **kw: Any) -> di
         out["worst_param_diff"] = assert_matches(model, ref, "param", atol=1e-4)
         out["losses"].append(global_loss.item())
         out["aux"] = aux.item()
+    # what this rank holds, for estimate_memory's expert-parallel arithmetic (test_estimate_counts.py style)
+    states = getattr(optimizer, "optimizer", optimizer).state.values()
+    out["param_bytes"] = sum(_local_bytes(p) for p in model.parameters())
+    out["adam_bytes"] = sum(_local_bytes(v) for state in states for k, v in state.items() if k != "step")
+    experts = model.module.layers[0].moe.experts
+    if ep > 1:  # the experts' own FSDP unit, gathered over the ranks holding the same experts
+        experts.unshard()
+        out["gathered_experts"] = sum(_local_bytes(p) for p in experts.parameters())
+        experts.reshard()
     return out
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
 
 
 class OnlyMoE(torch.nn.Module):
@@ -219,6 +233,32 @@ def grid(root: str) -> dict[str, Any]:
 def results(context_parallel_spawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """This module's part of the shared 4-rank spawn (``tests/distributed/conftest.py``)."""
     return [rank["experts"] for rank in context_parallel_spawn]
+
+
+_LAYOUTS = {
+    "fsdp4_ep1": {"data_parallel_size": 4, "expert_parallel_size": 1},
+    "ep2": {"data_parallel_size": 4, "expert_parallel_size": 2},
+    "ep4": {"data_parallel_size": 4, "expert_parallel_size": 4},
+    "ep2_tp2": {"data_parallel_size": 2, "tensor_parallel_size": 2, "expert_parallel_size": 2},
+    "ep2_hsdp": {"data_parallel_size": 4, "data_parallel_replicate_size": 2, "expert_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(_LAYOUTS))
+def test_estimate_memory_counts_the_parameters_and_adam_states_each_rank_holds(results, case):
+    from modelpar import estimate_memory
+
+    with torch.device("meta"):
+        model = Llama(CFG_AUX)
+    estimate = estimate_memory(model, plan=LLAMA_MOE_PLAN, optimizer="adamw", **_LAYOUTS[case])
+    for rank in results:  # every shard is even here, so FSDP2's padding adds nothing
+        assert (rank[case]["param_bytes"], rank[case]["adam_bytes"]) == (
+            estimate.parameters,
+            estimate.optimizer_states,
+        )
+        if case != "fsdp4_ep1":  # n_experts / ep whole experts, the largest unit of this model
+            assert estimate.largest_unit == "layers.0.moe.experts"
+            assert rank[case]["gathered_experts"] == estimate.gathered_unit
 
 
 @pytest.mark.parametrize("case", ["fsdp4_ep1", "ep2", "ep4", "ep2_tp2", "ep2_hsdp"])

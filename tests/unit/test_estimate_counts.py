@@ -270,10 +270,10 @@ def test_cli_search_lists_the_layouts_that_fit_best_first(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "best first: least recomputation" in lines[0]
     rows = [line.split() for line in lines[2:] if not line.startswith("...")]
-    assert rows[0][:5] == ["8", "1", "1", "1", "none"]  # plain FSDP over 8 ranks, no recomputation, fits
-    assert all(float(row[5]) <= 80 for row in rows)
+    assert rows[0][:6] == ["8", "1", "1", "1", "1", "none"]  # plain FSDP over 8 ranks, no recomputation, fits
+    assert all(float(row[6]) <= 80 for row in rows)
     order = ["none", "selective", "full"]
-    assert [order.index(row[4]) for row in rows] == sorted(order.index(row[4]) for row in rows)
+    assert [order.index(row[5]) for row in rows] == sorted(order.index(row[5]) for row in rows)
     assert main([*argv, "--gpu-memory", "8GiB", "--search"]) == 0
     assert "none of the 60 tried fits" in capsys.readouterr().out
 
