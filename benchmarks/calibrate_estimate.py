@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/calibrate_estimate.py
 
-For each setting (model, sequence length, activation checkpointing, activation dtype; micro-batch 2) it builds
+For each setting (model, sequence length, activation checkpointing, activation dtype; micro-batch 2; the models
+include mixtures of experts: modelpar's MoE Llama, Qwen3-MoE, Mixtral) it builds
 the model, runs forward and the loss under the CPU profiler's memory events, and prints the bytes live when
 backward starts (measured) beside ``estimate_memory(...).stored_activations`` (estimated). The measurement is
 ``tests/memory_probe.py``, which the unit tests assert within 10% on the same grid. Bytes, not time: the

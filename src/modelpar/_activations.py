@@ -18,7 +18,8 @@ Per decoder layer, without checkpointing:
 - attention keeps q, k and v as the kernel sees them (k and v repeated to ``h`` heads when the model repeats
   them before the kernel, as ``modelpar.models.Llama`` does; ``g`` heads when the kernel does grouped-query
   attention itself, as Hugging Face's SDPA path does), its output and its log-sum-exp (fp32, per head and token);
-- the SwiGLU MLP keeps the gate and up projections' outputs, the SiLU output and their product: ``4 b s f a``.
+- the SwiGLU MLP keeps the gate and up projections' outputs, the SiLU output and their product: ``4 b s f a``;
+  a mixture-of-experts layer keeps its router's and experts' tensors instead (:mod:`modelpar._moe_estimate`).
 
 ``"full"`` checkpointing keeps only each checkpointed layer's input (``b s d a``); ``"selective"`` keeps the
 layer input and the outputs of the ops in ``plans._checkpointing.SAVED_OPS``: the q/k/v, output, gate, up and
