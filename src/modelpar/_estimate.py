@@ -6,7 +6,8 @@ FSDP units. It then shards dim 0 of every parameter over the FSDP shard group ex
 (padded chunks of ``ceil(dim0 / shard)`` rows, the same allocation on every rank) and adds up parameters,
 gradients, optimizer states and the largest unit while it is all-gathered. No process group, no device.
 Given a sequence length it adds the activations (:mod:`modelpar._activations`) and FSDP2's transient buffers
-and reports the peak per rank (the rule: :mod:`modelpar._transients`).
+and reports the peak per rank (the rule: :mod:`modelpar._transients`). Mixtures of experts, under expert
+parallelism too: :mod:`modelpar._moe_estimate`.
 
 A plain ``parallelize_fn`` is code, not data: what it does is known only by running it, so it is refused.
 The CUDA caching allocator's slack, communication buffers, a prefetched second unit and the rest of
@@ -16,7 +17,6 @@ The CUDA caching allocator's slack, communication buffers, a prefetched second u
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,7 +30,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from modelpar._activations import ActivationEstimate, activation_bytes, check_sequence, decoder_shape, setting_label
+from modelpar._activations import activation_bytes, check_sequence, decoder_shape, setting_label
+from modelpar._estimate_report import MemoryEstimate, dtype_name
 from modelpar._fsdp import FSDPOptions
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._mesh import MeshLayout, check_size_arg
@@ -53,127 +54,6 @@ _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _COLUMN_NAMES = ("colwise", "colwise_gather", "output")
 _ROW_NAMES = ("rowwise", "embedding")
 _REPLICATING = (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank needs for the model state (the worst rank: FSDP2 pads every rank to the same shard).
-
-    ``parameters``, ``gradients`` and ``optimizer_states`` persist through training; ``gathered_unit`` (the
-    largest FSDP unit's parameters all-gathered in the compute dtype) and ``unit_gradients`` (its unsharded
-    gradients during its backward) are transient, one unit at a time. With ``cpu_offload`` the persistent,
-    sharded state lives on the host (``host``); ``device`` is the rest. ``str()`` gives a table.
-    """
-
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    gathered_unit: int
-    unit_gradients: int
-    buffers: int
-    host: int
-    largest_unit: str
-    layout: MeshLayout
-    precision: str
-    optimizer: str
-    gradient_accumulation: AccumulationMode
-    param_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    notes: tuple[str, ...] = ()
-    root_gathered: int = 0
-    activations: ActivationEstimate | None = None
-    moment: tuple[tuple[str, int], ...] = ()
-    moment_name: str = ""
-    setting: str = ""
-
-    @property
-    def total(self) -> int:
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer_states
-            + self.gathered_unit
-            + self.unit_gradients
-            + self.buffers
-        )
-
-    @property
-    def device(self) -> int:
-        return self.total - self.host
-
-    @property
-    def stored_activations(self) -> int:
-        """Activations kept from forward for backward (0 when estimated without ``seq_len``)."""
-        return self.activations.stored if self.activations is not None else 0
-
-    @property
-    def peak(self) -> int:
-        """Device bytes at the worst moment of a step: persistent state, root gathered, activations, worst moment."""
-        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
-        return persistent + self.root_gathered + self.stored_activations + sum(size for _, size in self.moment)
-
-    def __str__(self) -> str:
-        layout, offload = self.layout, self.host > 0
-        shard = layout.fsdp_shard_size
-        replicas = f", {layout.data_parallel_replicate_size} replicas" if layout.hsdp else ""
-        grads = "unsharded (accumulation)" if self.gradient_accumulation == "unsharded" else "sharded"
-        p, c = _dtype(self.param_dtype), _dtype(self.compute_dtype)
-        rows = [
-            ("parameters", f"{p}, {shard}-way FSDP x {layout.tensor_parallel_size}-way TP", self.parameters, offload),
-            ("gradients", f"{p}, {grads}", self.gradients, offload and self.gradient_accumulation == "sharded"),
-            ("optimizer states", f"{self.optimizer}", self.optimizer_states, offload),
-            ("gathered unit", f"{self.largest_unit}, {c}", self.gathered_unit, False),
-            ("unit gradients", "during its backward", self.unit_gradients, False),
-            ("buffers", "replicated", self.buffers, False),
-        ]
-        head = (
-            f"Memory per rank: {layout.data_parallel_size} data-parallel (shard group {shard}{replicas}) x"
-            + (f" {layout.context_parallel_size} context-parallel x" if layout.context_parallel_size > 1 else "")
-            + f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
-        )
-        if layout.expert_parallel_size > 1:
-            group = layout.expert_shard_size
-            head += f"\nexperts: {layout.expert_parallel_size}-way expert parallel (whole experts), " + (
-                f"FSDP over the {group} ranks holding the same ones" if group > 1 else "no FSDP (one rank holds each)"
-            )
-        lines = [head, f"{'':<18}{'':<34}{'device':>12}" + (f"{'host':>12}" if offload else "")]
-        for name, what, size, on_host in rows:
-            cells = ("", _human(size)) if on_host else (_human(size), "")
-            lines.append(f"{name:<18}{what:<34}{cells[0]:>12}" + (f"{cells[1]:>12}" if offload else ""))
-        lines.append(
-            f"{'total':<18}{'':<34}{_human(self.device):>12}" + (f"{_human(self.host):>12}" if offload else "")
-        )
-        lines += self._peak_lines()
-        lines += [f"note: {note}" for note in self.notes]
-        return "\n".join(line.rstrip() for line in lines)
-
-    def _peak_lines(self) -> list[str]:
-        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
-        rows = [("persistent state", "parameters, gradients, optimizer, buffers", persistent)]
-        rows.append(("root gathered", "forward through backward", self.root_gathered))
-        if self.activations is not None:
-            rows.append(("activations", self.setting, self.activations.stored))
-            rows += [(f"  {name}", "", size) for name, size in self.activations.parts]
-        else:
-            rows.append(("activations", "not counted: pass seq_len (--seq-len)", 0))
-        rows.append(("worst moment", self.moment_name, sum(size for _, size in self.moment)))
-        rows += [(f"  {name}", "", size) for name, size in self.moment if size]
-        lines = ["", "Peak per rank (device)"]
-        lines += [f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
-        lines.append(f"{'peak':<34}{'':<42}{_human(self.peak):>12}")
-        return lines
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _human(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size} B"
 
 
 def estimate_memory(
@@ -217,8 +97,13 @@ def estimate_memory(
     activations of a Llama-style decoder (:mod:`modelpar._activations`), under the plan's
     ``activation_checkpointing``, ``ac_every``, ``sequence_parallel`` and ``loss_parallel``, in the activation
     dtype (the policy's ``param_dtype``, else the parameters'). ``reshard_after_forward`` is the strategy's
-    option (the plan's wins); ``False`` keeps every unit gathered from forward to backward. :attr:`~MemoryEstimate.peak`
-    adds them up (see the module docstring for the rule); ``str()`` prints it with its parts.
+    option (the plan's wins); ``False`` keeps every unit gathered from forward to backward.
+    ``expert_parallel_size`` splits the experts of the plan's ``experts`` modules over that many of the ranks
+    that shard each replica (``E / ep`` whole experts per rank), FSDP-sharded over the rest, as their own unit;
+    MoE layers' activations assume balanced routing, and their all-to-all buffers join the experts' backward
+    (:mod:`modelpar._moe_estimate`). A Hugging Face MoE, which expert parallelism does not take, is refused above 1.
+    :attr:`~MemoryEstimate.peak` adds them up (see the module docstring for the rule); ``str()`` prints it with
+    its parts.
 
     Raises ``TypeError`` for a ``plan`` that is not a ``ParallelPlan``, and what ``plan.check`` raises when the
     plan does not fit the model at this tensor-parallel size.
@@ -344,7 +229,7 @@ def estimate_memory(
         largest_unit=largest,
         layout=layout,
         precision=precision,
-        optimizer=f"{optimizer if isinstance(optimizer, str) else 'optimizer'}: {states} x {_dtype(param_dtype)}",
+        optimizer=f"{optimizer if isinstance(optimizer, str) else 'optimizer'}: {states} x {dtype_name(param_dtype)}",
         gradient_accumulation=gradient_accumulation,
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
@@ -353,7 +238,7 @@ def estimate_memory(
         activations=activations,
         moment=moment,
         moment_name=moment_name,
-        setting=setting_label(plan, seq_len, micro_batch_size, cp, tp, _dtype(compute_dtype)),
+        setting=setting_label(plan, seq_len, micro_batch_size, cp, tp, dtype_name(compute_dtype)),
     )
 
 

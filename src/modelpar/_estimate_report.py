@@ -1,0 +1,136 @@
+"""The result of :func:`~modelpar.estimate_memory`: bytes per rank by part, and the table ``str()`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modelpar._activations import ActivationEstimate
+from modelpar._grad_sync import AccumulationMode
+from modelpar._mesh import MeshLayout
+
+__all__ = ["MemoryEstimate", "dtype_name"]
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for the model state (the worst rank: FSDP2 pads every rank to the same shard).
+
+    ``parameters``, ``gradients`` and ``optimizer_states`` persist through training; ``gathered_unit`` (the
+    largest FSDP unit's parameters all-gathered in the compute dtype) and ``unit_gradients`` (its unsharded
+    gradients during its backward) are transient, one unit at a time. With ``cpu_offload`` the persistent,
+    sharded state lives on the host (``host``); ``device`` is the rest. ``str()`` gives a table.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    gathered_unit: int
+    unit_gradients: int
+    buffers: int
+    host: int
+    largest_unit: str
+    layout: MeshLayout
+    precision: str
+    optimizer: str
+    gradient_accumulation: AccumulationMode
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    notes: tuple[str, ...] = ()
+    root_gathered: int = 0
+    activations: ActivationEstimate | None = None
+    moment: tuple[tuple[str, int], ...] = ()
+    moment_name: str = ""
+    setting: str = ""
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_states
+            + self.gathered_unit
+            + self.unit_gradients
+            + self.buffers
+        )
+
+    @property
+    def device(self) -> int:
+        return self.total - self.host
+
+    @property
+    def stored_activations(self) -> int:
+        """Activations kept from forward for backward (0 when estimated without ``seq_len``)."""
+        return self.activations.stored if self.activations is not None else 0
+
+    @property
+    def peak(self) -> int:
+        """Device bytes at the worst moment of a step: persistent state, root gathered, activations, worst moment."""
+        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
+        return persistent + self.root_gathered + self.stored_activations + sum(size for _, size in self.moment)
+
+    def __str__(self) -> str:
+        layout, offload = self.layout, self.host > 0
+        shard = layout.fsdp_shard_size
+        replicas = f", {layout.data_parallel_replicate_size} replicas" if layout.hsdp else ""
+        grads = "unsharded (accumulation)" if self.gradient_accumulation == "unsharded" else "sharded"
+        p, c = dtype_name(self.param_dtype), dtype_name(self.compute_dtype)
+        rows = [
+            ("parameters", f"{p}, {shard}-way FSDP x {layout.tensor_parallel_size}-way TP", self.parameters, offload),
+            ("gradients", f"{p}, {grads}", self.gradients, offload and self.gradient_accumulation == "sharded"),
+            ("optimizer states", f"{self.optimizer}", self.optimizer_states, offload),
+            ("gathered unit", f"{self.largest_unit}, {c}", self.gathered_unit, False),
+            ("unit gradients", "during its backward", self.unit_gradients, False),
+            ("buffers", "replicated", self.buffers, False),
+        ]
+        head = (
+            f"Memory per rank: {layout.data_parallel_size} data-parallel (shard group {shard}{replicas}) x"
+            + (f" {layout.context_parallel_size} context-parallel x" if layout.context_parallel_size > 1 else "")
+            + f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
+        )
+        if layout.expert_parallel_size > 1:
+            group = layout.expert_shard_size
+            head += f"\nexperts: {layout.expert_parallel_size}-way expert parallel (whole experts), " + (
+                f"FSDP over the {group} ranks holding the same ones" if group > 1 else "no FSDP (one rank holds each)"
+            )
+        lines = [head, f"{'':<18}{'':<34}{'device':>12}" + (f"{'host':>12}" if offload else "")]
+        for name, what, size, on_host in rows:
+            cells = ("", _human(size)) if on_host else (_human(size), "")
+            lines.append(f"{name:<18}{what:<34}{cells[0]:>12}" + (f"{cells[1]:>12}" if offload else ""))
+        lines.append(
+            f"{'total':<18}{'':<34}{_human(self.device):>12}" + (f"{_human(self.host):>12}" if offload else "")
+        )
+        lines += self._peak_lines()
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _peak_lines(self) -> list[str]:
+        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
+        rows = [("persistent state", "parameters, gradients, optimizer, buffers", persistent)]
+        rows.append(("root gathered", "forward through backward", self.root_gathered))
+        if self.activations is not None:
+            rows.append(("activations", self.setting, self.activations.stored))
+            rows += [(f"  {name}", "", size) for name, size in self.activations.parts]
+        else:
+            rows.append(("activations", "not counted: pass seq_len (--seq-len)", 0))
+        rows.append(("worst moment", self.moment_name, sum(size for _, size in self.moment)))
+        rows += [(f"  {name}", "", size) for name, size in self.moment if size]
+        lines = ["", "Peak per rank (device)"]
+        lines += [f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
+        lines.append(f"{'peak':<34}{'':<42}{_human(self.peak):>12}")
+        return lines
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``fp32``, ``bf16`` ... as the table writes a dtype."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"
