@@ -103,12 +103,13 @@ def _seaweedfs(stack: contextlib.ExitStack) -> S3Server | None:
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
-    def stop() -> None:
+    def stop() -> None:  # its data is thrown away: no need to wait out its 10 s graceful shutdown
         process.terminate()
         try:
-            process.wait(10)
+            process.wait(1)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
 
     stack.callback(stop)
     server = S3Server(f"http://127.0.0.1:{ports['s3']}", "seaweedfs", stack)
