@@ -130,3 +130,13 @@ def lightning_style_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
         fully_shard(block, mesh=device_mesh["data_parallel"])
     fully_shard(model, mesh=device_mesh["data_parallel"])
     return model
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every model tensor and every non-scalar optimizer state, gathered whole (DTensors): layout-free, to compare."""
+    whole = {f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    for index, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                whole[f"optim.{index}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
+    return {k: v.detach().clone() for k, v in whole.items()}

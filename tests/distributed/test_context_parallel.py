@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from modelpar.context import cross_entropy, shard_batch
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, ParallelPlan, loss_parallel
-from parity import assert_matches, lightning_style_fsdp, local_slice, make_fabric
+from parity import assert_matches, full_state, lightning_style_fsdp, local_slice, make_fabric
 
 pytest.importorskip("transformers")
 
@@ -153,15 +153,6 @@ def case_hf_trains_like_one_process(family: str, dp: int, tp: int, cp: int) -> d
 
 
 # -- checkpoints across context-parallel sizes ---------------------------------------------------------------
-def _snapshot(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
-    full = {f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    for index, state in enumerate(optimizer.state.values()):
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim():
-                full[f"optim.{index}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
-    return {k: v.detach().clone() for k, v in full.items()}
-
-
 def case_checkpoints_move_between_context_parallel_sizes(root: str) -> dict[str, Any]:
     """Saved at cp=2 (dp=2), loaded at cp=1 (dp=4), saved again, loaded at cp=2 x tp=2: every tensor equal, exactly."""
     diffs: dict[str, float] = {}
@@ -185,9 +176,9 @@ def case_checkpoints_move_between_context_parallel_sizes(root: str) -> dict[str,
             optimizer.step()
         else:
             fabric.load(f"{root}/ckpt{index - 1}", state)
-            loaded = _snapshot(model, optimizer)
+            loaded = full_state(model, optimizer)
             diffs[f"cp{cp}"] = max((loaded[k] - snapshots[-1][k]).abs().max().item() for k in snapshots[-1])
-        snapshots.append(_snapshot(model, optimizer))
+        snapshots.append(full_state(model, optimizer))
         fabric.save(f"{root}/ckpt{index}", state)
     return diffs
 

@@ -24,7 +24,7 @@ from modelpar import estimate_memory
 from modelpar.models import Llama, LlamaConfig
 from modelpar.models.moe import MoE
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN, ParallelPlan
-from parity import assert_matches, local_slice, make_fabric
+from parity import assert_matches, full_state, local_slice, make_fabric
 
 STEPS = 3
 SEQ = 8
@@ -177,15 +177,6 @@ def case_collectives_of_one_moe_layer(ep: int) -> dict[str, Any]:
 
 
 # -- checkpoints across expert-parallel sizes ----------------------------------------------------------------
-def _snapshot(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
-    full = {f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    for index, state in enumerate(optimizer.state.values()):
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim():
-                full[f"optim.{index}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value
-    return {k: v.detach().clone() for k, v in full.items()}
-
-
 def case_checkpoints_move_between_expert_parallel_sizes(root: str) -> dict[str, Any]:
     """Saved at EP=2 (dp=4), loaded at EP=4, saved again, loaded at EP=1 x TP=2: every tensor equal, exactly."""
     diffs: dict[str, float] = {}
@@ -202,9 +193,9 @@ def case_checkpoints_move_between_expert_parallel_sizes(root: str) -> dict[str, 
             optimizer.step()
         else:
             fabric.load(f"{root}/ckpt{index - 1}", state)
-            loaded = _snapshot(model, optimizer)
+            loaded = full_state(model, optimizer)
             diffs[f"ep{ep}"] = max((loaded[k] - snapshots[-1][k]).abs().max().item() for k in snapshots[-1])
-        snapshots.append(_snapshot(model, optimizer))
+        snapshots.append(full_state(model, optimizer))
         fabric.save(f"{root}/ckpt{index}", state)
     return diffs
 

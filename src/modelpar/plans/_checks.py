@@ -111,6 +111,22 @@ def check_refused(styles: Mapping[str, StyleSpec], tensor_parallel_size: int) ->
             raise refusal
 
 
+def resolve_modules(model: nn.Module, field: str, patterns: Iterable[str], what: str, example: str) -> list[str]:
+    """The submodule names a plan field's ``patterns`` select, in pattern order; ``ValueError`` for one matching none.
+
+    For the message: ``field`` the plan's field (``"experts"``), ``what`` the modules it names (``"MoE"``) and
+    ``example`` a pattern that would fit (``"layers.*.moe"``).
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    found: list[str] = []
+    for pattern in patterns:
+        hits = [name for name in names if matches(pattern, name)]
+        if not hits:
+            raise ValueError(f"{_no_match(field, pattern, model, names)} Name the {what} modules (e.g. {example!r}).")
+        found.extend(hits)
+    return found
+
+
 def resolve_units(model: nn.Module, fsdp_units: Iterable[str]) -> list[str]:
     """Names of the FSDP units, in the model's module order; raise for a pattern matching nothing."""
     modules = _submodules(model)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from modelpar._mesh import context_parallel_mesh
-from modelpar.plans._checks import matches
+from modelpar.plans._checks import resolve_modules
 
 __all__ = ["KERNEL_ATTRIBUTE", "apply_context_parallel", "attention_modules", "is_hugging_face"]
 
@@ -46,16 +46,7 @@ def attention_modules(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
             f" modules that expose an `{KERNEL_ATTRIBUTE}` attribute (as `modelpar.models.Llama` does), or set"
             " `context_parallel_size=1`."
         )
-    names = [name for name, _ in model.named_modules() if name]
-    found: list[str] = []
-    for pattern in patterns:
-        hits = [name for name in names if matches(pattern, name)]
-        if not hits:
-            raise ValueError(
-                f"ParallelPlan.attention: the pattern {pattern!r} matches no submodule of {type(model).__name__}."
-                " Name the attention modules (e.g. 'layers.*.attention')."
-            )
-        found.extend(hits)
+    found = resolve_modules(model, "attention", patterns, "attention", "layers.*.attention")
     cannot = [name for name in found if not callable(getattr(model.get_submodule(name), KERNEL_ATTRIBUTE, None))]
     if cannot:
         shown = ", ".join(f"{n} ({type(model.get_submodule(n)).__name__})" for n in cannot[:3])

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from modelpar.plans._checks import matches
+from modelpar.plans._checks import resolve_modules
 
 __all__ = ["apply_experts", "moe_modules"]
 
@@ -33,16 +33,7 @@ def moe_modules(model: nn.Module, patterns: tuple[str, ...], expert_parallel_siz
             f" module of {type(model).__name__}, but the plan names none. Pass `ParallelPlan(experts=('layers.*.moe',),"
             " ...)` with the MoE modules (as `modelpar.plans.LLAMA_MOE_PLAN` does), or set `expert_parallel_size=1`."
         )
-    names = [name for name, _ in model.named_modules() if name]
-    found: list[str] = []
-    for pattern in patterns:
-        hits = [name for name in names if matches(pattern, name)]
-        if not hits:
-            raise ValueError(
-                f"ParallelPlan.experts: the pattern {pattern!r} matches no submodule of {type(model).__name__}."
-                " Name the MoE modules (e.g. 'layers.*.moe')."
-            )
-        found.extend(hits)
+    found = resolve_modules(model, "experts", patterns, "MoE", "layers.*.moe")
     for name in found:
         check_moe_module(name, model.get_submodule(name), expert_parallel_size)
     return found
