@@ -34,6 +34,7 @@ from transformers import (
     LlamaConfig,
     MiniCPM3Config,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     Qwen2Config,
@@ -58,11 +59,14 @@ FAMILIES: dict[str, Any] = {
     "olmo2": lambda: Olmo2Config(**TINY_SIZES),
     "phi3": lambda: Phi3Config(**TINY_SIZES, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "glm4": lambda: Glm4Config(**TINY_SIZES, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    # MLA: the rope part of kv_a_proj_with_mqa's output reaches every head, so its gradient is summed.
-    # A mixture of experts: its plan's expert styles are refused under TP, so FSDP alone shards the fused experts.
+    # Mixtures of experts: their plans' expert styles are refused under TP, so FSDP alone shards the fused experts.
+    # Qwen3-MoE and Mixtral folders hold one tensor per expert (two layouts); GPT-OSS's hold them fused.
     "qwen3_moe": lambda: Qwen3MoeConfig(
         **TINY_SIZES, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
     ),
+    "mixtral": lambda: MixtralConfig(**TINY_SIZES, num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": lambda: tiny_gpt_oss(),
+    # MLA: the rope part of kv_a_proj_with_mqa's output reaches every head, so its gradient is summed.
     "minicpm3": lambda: MiniCPM3Config(
         **TINY_SIZES, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16
     ),
@@ -186,6 +190,8 @@ def grid(root: Path) -> dict[str, Any]:
         "glm4_2x2": lambda: case(root / "glm4", 2, 2, steps=2),
         "minicpm3_2x2": lambda: case(root / "minicpm3", 2, 2, steps=3),
         "qwen3_moe_4x1": lambda: case(root / "qwen3_moe", 4, 1, steps=3, export="qwen3_moe_export"),
+        "mixtral_4x1": lambda: case(root / "mixtral", 4, 1, steps=2),
+        "gpt_oss_4x1": lambda: case(root / "gpt_oss", 4, 1, steps=2),
         "qwen3_moe_expert_axis_4": lambda: case_experts_sharded_over_an_expert_parallel_axis_load_their_own_blocks(
             root / "qwen3_moe"
         ),
@@ -240,11 +246,13 @@ def test_olmo2_phi3_glm4_and_minicpm3_train_at_2x2_like_one_process_from_pretrai
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
 
 
-def test_a_mixture_of_experts_family_trains_with_fsdp_alone_like_one_process_from_pretrained(results):
+def test_mixture_of_experts_families_train_with_fsdp_alone_like_one_process_from_pretrained(results):
     # Before: plan_for refused Qwen3-MoE whatever the layout ('moe_tp_experts', 'packed_colwise').
+    # Mixtral's folder has the other per-expert layout (block_sparse_moe.experts.{e}.w1/w2/w3); GPT-OSS's is fused.
     for r in results:
-        assert r["qwen3_moe_4x1"]["mesh"] == (4, 1)
-        assert r["qwen3_moe_4x1"]["losses"][-1] < r["qwen3_moe_4x1"]["losses"][0]
+        for name in ("qwen3_moe_4x1", "mixtral_4x1", "gpt_oss_4x1"):
+            assert r[name]["mesh"] == (4, 1), name
+            assert r[name]["losses"][-1] < r[name]["losses"][0], name
 
 
 def test_a_mixture_of_experts_model_saved_sharded_is_written_per_expert_and_reloads_the_same(results, folders):
