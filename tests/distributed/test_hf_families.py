@@ -192,6 +192,7 @@ def grid(root: Path) -> dict[str, Any]:
         "qwen3_moe_4x1": lambda: case(root / "qwen3_moe", 4, 1, steps=3, export="qwen3_moe_export"),
         "mixtral_4x1": lambda: case(root / "mixtral", 4, 1, steps=2),
         "gpt_oss_4x1": lambda: case(root / "gpt_oss", 4, 1, steps=2),
+        "qwen3_moe_hsdp_2x2x1": lambda: case(root / "qwen3_moe", 4, 1, steps=2, data_parallel_replicate_size=2),
         "qwen3_moe_expert_axis_4": lambda: case_experts_sharded_over_an_expert_parallel_axis_load_their_own_blocks(
             root / "qwen3_moe"
         ),
@@ -250,8 +251,8 @@ def test_mixture_of_experts_families_train_with_fsdp_alone_like_one_process_from
     # Before: plan_for refused Qwen3-MoE whatever the layout ('moe_tp_experts', 'packed_colwise').
     # Mixtral's folder has the other per-expert layout (block_sparse_moe.experts.{e}.w1/w2/w3); GPT-OSS's is fused.
     for r in results:
-        for name in ("qwen3_moe_4x1", "mixtral_4x1", "gpt_oss_4x1"):
-            assert r[name]["mesh"] == (4, 1), name
+        for name in ("qwen3_moe_4x1", "mixtral_4x1", "gpt_oss_4x1", "qwen3_moe_hsdp_2x2x1"):
+            assert r[name]["mesh"] == ((2, 2, 1) if "hsdp" in name else (4, 1)), name
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
 
 
