@@ -132,6 +132,28 @@ def lightning_style_fsdp(model: nn.Module, device_mesh: Any) -> nn.Module:
     return model
 
 
+def fsdp_blocks_only(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """A ``parallelize_fn`` that shards ``model.layers`` and the root with the strategy's FSDP options and does
+    nothing else: no attention kernel replaced, no experts split (what context and expert parallelism refuse)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from modelpar import fsdp_kwargs
+
+    for block in model.layers:  # type: ignore[union-attr]
+        fully_shard(block, **fsdp_kwargs(device_mesh))
+    fully_shard(model, **fsdp_kwargs(device_mesh))
+    return model
+
+
+def error_text(fn: Callable[[], Any]) -> str:
+    """``"Type: message"`` of what ``fn()`` raises, or ``"no error"``: to compare the ranks' refusals."""
+    try:
+        fn()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Every model tensor and every non-scalar optimizer state, gathered whole (DTensors): layout-free, to compare."""
     whole = {f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}

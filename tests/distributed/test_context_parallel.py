@@ -19,13 +19,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from modelpar.context import cross_entropy, shard_batch
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, ParallelPlan, loss_parallel
-from parity import assert_matches, full_state, lightning_style_fsdp, local_slice, make_fabric
+from parity import (
+    assert_matches,
+    error_text,
+    fsdp_blocks_only,
+    full_state,
+    lightning_style_fsdp,
+    local_slice,
+    make_fabric,
+)
 
 pytest.importorskip("transformers")
 
@@ -222,33 +229,18 @@ def case_activation_bytes_per_rank_fall_as_one_over_cp() -> dict[int, int]:
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def case_bad_input_is_refused_on_every_rank() -> dict[str, str]:
-    from modelpar import fsdp_kwargs
-
-    def sharded_without_kernel(model: nn.Module, device_mesh: Any) -> nn.Module:
-        for block in model.layers:  # type: ignore[union-attr]
-            fully_shard(block, **fsdp_kwargs(device_mesh))
-        fully_shard(model, **fsdp_kwargs(device_mesh))
-        return model
 
     errors: dict[str, str] = {}
     for name, fn in {
         "fsdp_on_dp_only": lightning_style_fsdp,
-        "kernel_not_replaced": sharded_without_kernel,
+        "kernel_not_replaced": fsdp_blocks_only,
         "plan_without_attention": ParallelPlan(fsdp_units=("layers.*",)),
     }.items():
         fabric = make_fabric(2, 1, world_size=4, parallelize_fn=fn, context_parallel_size=2)
-        errors[name] = _error(lambda f=fabric: f.setup_module(Llama(CFG)))
+        errors[name] = error_text(lambda f=fabric: f.setup_module(Llama(CFG)))
     x, y = batches(1)[0]
-    errors["seq_len"] = _error(
+    errors["seq_len"] = error_text(
         lambda: shard_batch({"input_ids": x[:, :14], "labels": y[:, :14]}, fabric.strategy.device_mesh)
     )
     t = torch.ones(())

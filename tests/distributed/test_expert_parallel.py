@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -24,7 +23,7 @@ from modelpar import estimate_memory
 from modelpar.models import Llama, LlamaConfig
 from modelpar.models.moe import MoE
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN, ParallelPlan
-from parity import assert_matches, full_state, local_slice, make_fabric
+from parity import assert_matches, error_text, fsdp_blocks_only, full_state, local_slice, make_fabric
 
 STEPS = 3
 SEQ = 8
@@ -201,41 +200,27 @@ def case_checkpoints_move_between_expert_parallel_sizes(root: str) -> dict[str, 
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def case_bad_input_is_refused_on_every_rank() -> dict[str, str]:
-    from modelpar import ModelParallelStrategy, fsdp_kwargs
-
-    def fsdp_only(model: Any, device_mesh: Any) -> Any:
-        for block in model.layers:
-            fully_shard(block, **fsdp_kwargs(device_mesh))
-        fully_shard(model, **fsdp_kwargs(device_mesh))
-        return model
+    from modelpar import ModelParallelStrategy
 
     errors: dict[str, str] = {}
     three = LlamaConfig(**{**CFG.__dict__, "n_experts": 6, "top_k": 2})
     for name, (fn, cfg, ep, dp, tp) in {
         "experts_not_divisible": (LLAMA_MOE_PLAN, three, 4, 4, 1),
         "plan_without_experts": (LLAMA_PLAN.replace(tensor_parallel={}), CFG, 2, 4, 1),
-        "fsdp_only": (fsdp_only, CFG, 2, 4, 1),
+        "fsdp_only": (fsdp_blocks_only, CFG, 2, 4, 1),
     }.items():
         fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=fn, expert_parallel_size=ep)
-        errors[name] = _error(lambda f=fabric, c=cfg: f.setup_module(Llama(c)))
-    errors["axis_does_not_fit"] = _error(
+        errors[name] = error_text(lambda f=fabric, c=cfg: f.setup_module(Llama(c)))
+    errors["axis_does_not_fit"] = error_text(
         lambda: make_fabric(2, 2, world_size=4, parallelize_fn=LLAMA_MOE_PLAN, expert_parallel_size=4)
     )
-    errors["axis_does_not_fit_hsdp"] = _error(
+    errors["axis_does_not_fit_hsdp"] = error_text(
         lambda: make_fabric(
             4, 1, world_size=4, parallelize_fn=LLAMA_MOE_PLAN, expert_parallel_size=4, data_parallel_replicate_size=2
         )
     )
-    errors["not_a_size"] = _error(lambda: ModelParallelStrategy(LLAMA_MOE_PLAN, expert_parallel_size=0))
+    errors["not_a_size"] = error_text(lambda: ModelParallelStrategy(LLAMA_MOE_PLAN, expert_parallel_size=0))
     t = torch.ones(())
     dist.all_reduce(t)  # no rank was left inside a collective
     errors["sum"] = str(t.item())
