@@ -40,6 +40,7 @@ from modelpar._moe_estimate import all_to_all_bytes, expert_units, moe_notes, re
 from modelpar._precision import SUPPORTED_PRECISIONS
 from modelpar._transients import ROOT, worst_moment
 from modelpar.plans._checks import resolve_styles, resolve_units
+from modelpar.plans._experts import drop_expert_styles, moe_modules
 from modelpar.plans._plan import ParallelPlan
 from modelpar.plans._styles import StyleSpec
 
@@ -144,6 +145,8 @@ def estimate_memory(
     plan.check(model, tp, cp, layout.expert_parallel_size)
     experts = expert_units(model, plan.experts, layout.expert_parallel_size)
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
+    if experts:  # as the plan applies them: under expert parallelism, experts are not tensor-parallel
+        styles = drop_expert_styles(styles, moe_modules(model, plan.experts, layout.expert_parallel_size))
     units = resolve_units(model, plan.fsdp_units)
     notes: set[str] = set()
 
@@ -291,6 +294,9 @@ def _tp_dim(module: nn.Module, local_name: str, style: StyleSpec, notes: set[str
         return 0 if column and local_name == "bias" else None
     if isinstance(module, nn.Embedding) and (column or row) and local_name == "weight":
         return 1 if column else 0
+    split = getattr(style, "splits_parameters_dim", None)
+    if isinstance(split, int):  # a style that splits each of its module's own parameters along one dim
+        return split
     if isinstance(style, (str, *_REPLICATING)) or getattr(style, "replicates_parameters", False):
         return None  # norm, sequence_gather: parameters replicated (or untouched) on the tensor-parallel ranks
     notes.add(

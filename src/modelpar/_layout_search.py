@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from modelpar._estimate import MemoryEstimate, estimate_memory
-from modelpar.plans._experts import moe_modules
+from modelpar.plans._experts import experts_name, moe_modules
 from modelpar.plans._plan import ParallelPlan
 
 __all__ = ["Fit", "format_fits", "parse_memory", "search_layouts"]
@@ -71,7 +71,7 @@ def _expert_sizes(model: nn.Module, plan: ParallelPlan, shard_ranks: int) -> lis
     if not plan.experts:
         return [1]
     modules = moe_modules(model, plan.experts, 1)
-    counts = {_n_experts(model.get_submodule(f"{name}.experts")) for name in modules}
+    counts = {_n_experts(model.get_submodule(experts_name(model, name))) for name in modules}
     return [ep for ep in _divisors(shard_ranks) if all(n % ep == 0 for n in counts)]
 
 

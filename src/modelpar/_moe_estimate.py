@@ -4,11 +4,12 @@ A MoE module, for the estimate, is a module with an ``experts`` submodule of fus
 ``modelpar.models.moe.MoE`` (``w1``, ``w3`` ``[E, hidden, dim]``, ``w2`` ``[E, dim, hidden]``) and Hugging Face's
 experts (``gate_up_proj`` ``[E, 2 hidden, dim]``, ``down_proj`` ``[E, dim, hidden]``: Qwen3-MoE, Mixtral ...).
 
-**State under expert parallelism** (``ep > 1``, modelpar's MoE only, as ``modelpar.moe.parallelize_experts`` does
-it): each expert weight is split along dim 0 over the expert axis (``E / ep`` whole experts per rank), then
-FSDP-sharded over the ``dp_shard / ep`` ranks holding the same experts (:attr:`MeshLayout.expert_shard_size`), in
-padded chunks as ``fully_shard`` pads them; the experts are their own FSDP unit, gathered over those ranks only
-(``E / ep`` experts full size). At ``ep = 1`` they are part of their block's unit, like any weight.
+**State under expert parallelism** (``ep > 1``, as ``modelpar.moe.parallelize_experts`` does it): each expert
+weight is split along dim 0 over the expert axis (``E / ep`` whole experts per rank), then FSDP-sharded over the
+``dp_shard / ep`` ranks holding the same experts (:attr:`MeshLayout.expert_shard_size`), in padded chunks as
+``fully_shard`` pads them; the experts are their own FSDP unit, gathered over those ranks only (``E / ep`` experts
+full size). At ``ep = 1`` they are part of their block's unit, like any weight (split whole over the
+tensor-parallel ranks, ``E / tp`` each, under transformers' ``moe_tp_experts``).
 
 **Activations of a MoE layer**, read off what autograd saves (``saved_tensors_hooks``) on one MoE layer of each
 implementation, ``T`` tokens, ``K = T x top_k`` routed copies, ``d`` hidden, ``H`` expert hidden, ``a`` the
@@ -166,17 +167,18 @@ def expert_units(model: nn.Module, patterns: tuple[str, ...], expert_parallel_si
     """
     if expert_parallel_size == 1:
         return {}
-    from modelpar.plans._experts import moe_modules
+    from modelpar.plans._experts import experts_name, moe_modules
 
-    return {f"{name}.experts": f"{name}.experts" for name in moe_modules(model, patterns, expert_parallel_size)}
+    names = [experts_name(model, name) for name in moe_modules(model, patterns, expert_parallel_size)]
+    return {name: name for name in names}
 
 
 def refuse_hugging_face_experts(model: nn.Module, patterns: tuple[str, ...], expert_parallel_size: int) -> None:
     """Raise ``ValueError`` for expert parallelism on a model whose MoE modules the plan does not name (HF's)."""
     if expert_parallel_size > 1 and not patterns and expert_modules(model):
         raise ValueError(
-            f"`expert_parallel_size={expert_parallel_size}`: {type(model).__name__}'s experts are not modelpar MoE"
-            " modules, and expert parallelism is built for `modelpar.models.moe.MoE` only (`LLAMA_MOE_PLAN`); a"
-            " Hugging Face mixture of experts shards its experts with FSDP alone. Estimate it with"
-            " `expert_parallel_size=1` (`--ep 1`)."
+            f"`expert_parallel_size={expert_parallel_size}`: the plan names none of {type(model).__name__}'s MoE"
+            " modules in `experts`, so nothing would be split over the expert axis. Use `modelpar.hf.plan_for`'s"
+            " plan (it names transformers' experts modules), add them to `ParallelPlan(experts=...)`, or estimate"
+            " with `expert_parallel_size=1` (`--ep 1`)."
         )

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 pytest.importorskip("transformers")
 from transformers import (
@@ -87,19 +88,15 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     """Meta model -> plan_for -> strategy -> load_pretrained -> AdamW steps, against one process."""
     replicate = options.pop("data_parallel_replicate_size", 1)
     export = options.pop("export", None)
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        plan = plan_for(AutoModelForCausalLM.from_config(config), **options)
-    fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=plan, data_parallel_replicate_size=replicate)
-    with fabric.init_module(empty_init=True):
-        model = AutoModelForCausalLM.from_config(config)
-    model = fabric.setup_module(model)
+    ep = options.pop("expert_parallel_size", 1)
+    reshard_to = options.pop("reshard_to", None)
+    fabric, model = sharded_model(folder, dp, tp, replicate, ep, options)
     modelpar.hf.load_pretrained(model, folder)
+    out: dict[str, Any] = {"losses": [], "state_bytes": state_bytes(folder, model, dp, tp, replicate, ep, options)}
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     assert_matches(model, ref, "param")
-    out: dict[str, Any] = {"losses": []}
     for x, y in global_batches(steps):
         logits = model(local_slice(fabric, x)).logits
         out["logits"] = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else "plain"
@@ -122,9 +119,77 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     if q_norm is not None:
         out["q_norm"] = [str(p) for p in q_norm.weight.placements]
     out["mesh"] = tuple(fabric.strategy.device_mesh.shape)
+    experts = getattr(model.module.model.layers[0].mlp, "experts", None)
+    if experts is not None:
+        out["experts_local"] = list(local_tensor(experts.down_proj).shape)
+        out["experts_comms"] = experts_collectives(model.module.model.layers[0], model.module.config.hidden_size)
     if export is not None:
         out.update(export_and_reload(fabric, model, folder.parent / export))
+    if reshard_to is not None:
+        # The trained state saved at this layout loads at another (expert_parallel_size, tensor_parallel_size).
+        checkpoint = folder.parent / f"ckpt_{folder.name}_{dp}x{tp}_ep{ep}"
+        fabric.save(checkpoint, {"model": model})
+        fabric, model = sharded_model(folder, *reshard_to, options)
+        fabric.load(checkpoint, {"model": model})
+        assert_matches(model, ref, "param")
+        x, y = next(iter(global_batches(1)))
+        loss = lm_loss(model(local_slice(fabric, x)).logits, local_slice(fabric, y))
+        out["resharded_loss"] = (fabric.all_reduce(loss.detach()).item(), lm_loss(ref(x).logits, y).item())
+        out["resharded_local"] = list(local_tensor(model.module.model.layers[0].mlp.experts.down_proj).shape)
     return out
+
+
+def experts_collectives(layer: Any, hidden_size: int) -> dict[str, dict[str, int]]:
+    """The collectives of one MoE block's forward and backward (its layer unsharded first, so FSDP's are those of
+    the experts' own unit under expert parallelism)."""
+    layer.unshard()
+    hidden = torch.randn(2, 8, hidden_size, requires_grad=True)
+    counts = {}
+    with CommDebugMode() as forward:
+        out = layer.mlp(hidden)
+    with CommDebugMode() as backward:
+        (out[0] if isinstance(out, tuple) else out).square().sum().backward()
+    for phase, mode in (("forward", forward), ("backward", backward)):
+        counts[phase] = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    layer.reshard()
+    layer.zero_grad(set_to_none=True)
+    return counts
+
+
+def state_bytes(folder: Path, model: Any, dp: int, tp: int, replicate: int, ep: int, options: dict[str, Any]) -> Any:
+    """(bytes this rank's parameter storages hold, what ``estimate_memory`` says of the same layout)."""
+    storages = {}
+    for p in model.parameters():
+        storage = local_tensor(p).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    estimate = modelpar.estimate_memory(
+        meta,
+        plan=plan_for(meta, **options),
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        data_parallel_replicate_size=replicate,
+        expert_parallel_size=ep,
+    )
+    return sum(storages.values()), estimate.parameters
+
+
+def local_tensor(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sharded_model(folder: Path, dp: int, tp: int, replicate: int, ep: int, options: dict[str, Any]) -> Any:
+    """A meta-device model of the folder's config, set up by ``plan_for``'s plan at this layout (not loaded)."""
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        plan = plan_for(AutoModelForCausalLM.from_config(config), **options)
+    fabric = make_fabric(
+        dp, tp, world_size=4, parallelize_fn=plan, data_parallel_replicate_size=replicate, expert_parallel_size=ep
+    )
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_config(config)
+    return fabric, fabric.setup_module(model)
 
 
 def export_and_reload(fabric: Any, model: Any, folder: Path) -> dict[str, Any]:
@@ -178,7 +243,8 @@ def case_experts_sharded_over_an_expert_parallel_axis_load_their_own_blocks(fold
     return {"local": list(model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape)}
 
 
-def grid(root: Path) -> dict[str, Any]:
+def grid(root: Path, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every case (or the ``only`` ones, to run a few by hand) on this rank; results by case name."""
     cases = {
         "gpt_oss_refused_2x2": lambda: case_a_plan_sharding_no_layer_is_refused_on_every_rank(2, 2),
         "llama_2x2": lambda: case(root / "llama", 2, 2, steps=3),
@@ -193,6 +259,18 @@ def grid(root: Path) -> dict[str, Any]:
         "mixtral_4x1": lambda: case(root / "mixtral", 4, 1, steps=2),
         "gpt_oss_4x1": lambda: case(root / "gpt_oss", 4, 1, steps=2),
         "qwen3_moe_hsdp_2x2x1": lambda: case(root / "qwen3_moe", 4, 1, steps=2, data_parallel_replicate_size=2),
+        # Experts split whole: over the tensor-parallel axis ('moe_tp_experts'), over the expert axis, both.
+        "qwen3_moe_2x2": lambda: case(root / "qwen3_moe", 2, 2, steps=3, reshard_to=(4, 1, 1, 4)),
+        "mixtral_2x2": lambda: case(root / "mixtral", 2, 2, steps=2),
+        "qwen3_moe_ep2": lambda: case(
+            root / "qwen3_moe", 4, 1, steps=3, expert_parallel_size=2, reshard_to=(4, 1, 1, 4)
+        ),
+        "qwen3_moe_ep4": lambda: case(root / "qwen3_moe", 4, 1, steps=2, expert_parallel_size=4),
+        "mixtral_ep2_tp2": lambda: case(root / "mixtral", 2, 2, steps=2, expert_parallel_size=2),
+        "gpt_oss_ep2": lambda: case(root / "gpt_oss", 4, 1, steps=2, expert_parallel_size=2),
+        "qwen3_moe_hsdp_ep2_2x2x1": lambda: case(
+            root / "qwen3_moe", 4, 1, steps=2, data_parallel_replicate_size=2, expert_parallel_size=2
+        ),
         "qwen3_moe_expert_axis_4": lambda: case_experts_sharded_over_an_expert_parallel_axis_load_their_own_blocks(
             root / "qwen3_moe"
         ),
@@ -209,6 +287,8 @@ def grid(root: Path) -> dict[str, Any]:
     }
     results = {}
     for name, run in cases.items():
+        if only and name not in only:
+            continue
         start = time.perf_counter()
         results[name] = run()
         results[name]["seconds"] = round(time.perf_counter() - start, 1)
@@ -254,6 +334,54 @@ def test_mixture_of_experts_families_train_with_fsdp_alone_like_one_process_from
         for name in ("qwen3_moe_4x1", "mixtral_4x1", "gpt_oss_4x1", "qwen3_moe_hsdp_2x2x1"):
             assert r[name]["mesh"] == ((2, 2, 1) if "hsdp" in name else (4, 1)), name
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
+
+
+def test_moe_families_split_whole_experts_over_tensor_parallel_and_expert_axes_and_train_like_one_process(results):
+    # Before: Qwen3-MoE and Mixtral were refused at 2x2 ('moe_tp_experts'), and expert parallelism refused them.
+    # Losses, gradients and weights after the AdamW steps matched one process inside each case (assert_matches).
+    meshes = {
+        "qwen3_moe_2x2": (2, 2),  # experts over TP, FSDP over DP
+        "mixtral_2x2": (2, 2),
+        "qwen3_moe_ep2": (2, 2, 1),  # expert_data_parallel x expert_parallel x tensor_parallel
+        "qwen3_moe_ep4": (1, 4, 1),
+        "gpt_oss_ep2": (2, 2, 1),
+        "mixtral_ep2_tp2": (1, 2, 2),  # experts whole on each expert rank, replicated over TP
+        "qwen3_moe_hsdp_ep2_2x2x1": (2, 1, 2, 1),
+    }
+    local_experts = {"mixtral_ep2_tp2": 2, "qwen3_moe_hsdp_ep2_2x2x1": 2}  # 4 experts / 2 expert ranks, no FSDP
+    for r in results:
+        for name, mesh in meshes.items():
+            assert r[name]["mesh"] == mesh, name
+            if name != "gpt_oss_ep2":  # its one local expert is FSDP-sharded over 2 ranks: 1 row and a padded 0
+                assert r[name]["experts_local"][0] == local_experts.get(name, 1), name
+            assert r[name]["losses"][-1] < r[name]["losses"][0], name
+
+
+def test_tensor_parallel_experts_cost_one_all_reduce_forward_and_two_backward(results):
+    for r in results:
+        for name in ("qwen3_moe_2x2", "mixtral_2x2"):
+            assert r[name]["experts_comms"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 2}}, name
+        # Expert parallelism: counts, dispatch and combine all-to-alls forward; the two token ones backward.
+        ep4 = r["qwen3_moe_ep4"]["experts_comms"]
+        assert ep4["forward"] == {"alltoall_base_": 3} and ep4["backward"]["alltoall_base_"] == 2
+        assert r["qwen3_moe_4x1"]["experts_comms"] == {"forward": {}, "backward": {}}  # FSDP alone: local experts
+
+
+def test_moe_checkpoints_move_between_tensor_parallel_and_expert_parallel_layouts(results):
+    # Trained at 2x2 (experts over TP) and at EP=2, each loaded at EP=4: the one-process weights and loss.
+    for r in results:
+        for name in ("qwen3_moe_2x2", "qwen3_moe_ep2"):
+            got, want = r[name]["resharded_loss"]
+            assert abs(got - want) < 1e-5, name
+            assert r[name]["resharded_local"][0] == 1, name
+
+
+def test_the_memory_estimate_equals_the_parameter_bytes_each_rank_holds_for_every_moe_layout(results):
+    for r in results:
+        for name, out in r.items():
+            if "state_bytes" in out:
+                held, estimated = out["state_bytes"]
+                assert held == estimated, (name, held, estimated)
 
 
 def test_a_mixture_of_experts_model_saved_sharded_is_written_per_expert_and_reloads_the_same(results, folders):

@@ -135,7 +135,7 @@ def test_cli_estimates_expert_parallelism_for_a_moe_llama(capsys):
     assert "--ep applies without --search" in capsys.readouterr().err
 
 
-def test_cli_estimates_a_hugging_face_moe_config_and_refuses_expert_parallelism_for_it(tmp_path, capsys):
+def test_cli_estimates_a_hugging_face_moe_config_also_with_expert_parallelism(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     transformers.Qwen3MoeConfig(
         hidden_size=8,
@@ -152,5 +152,6 @@ def test_cli_estimates_a_hugging_face_moe_config_and_refuses_expert_parallelism_
     assert main(["estimate", "--hf", str(tmp_path), "--dp", "4", "--seq-len", "8", "--precision", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
     assert "MoE feed-forwards (2 layers)" in out and "4 experts, top-2" in out
-    assert main(["estimate", "--hf", str(tmp_path), "--dp", "4", "--ep", "2"]) == 2
-    assert "expert parallelism is built for `modelpar.models.moe.MoE` only" in capsys.readouterr().err
+    # Before: refused ("expert parallelism is built for `modelpar.models.moe.MoE` only").
+    assert main(["estimate", "--hf", str(tmp_path), "--dp", "4", "--ep", "2"]) == 0
+    assert "2-way expert parallel" in capsys.readouterr().out

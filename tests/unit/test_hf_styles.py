@@ -21,6 +21,7 @@ from modelpar import UnsupportedStyleError
 from modelpar.hf import plan_for
 from modelpar.hf._plan import HF_REFUSED, HF_STYLES
 from modelpar.hf._styles import RefusedStyle, RefusedStyleError, RopeGradientSum
+from modelpar.moe._routed import ExpertsOverTensorParallel
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -88,8 +89,9 @@ def test_embedding_colwise_all_reduce_and_replicate_map_to_public_dtensor_styles
             "a packed column-wise split is not supported yet: each rank must keep matching slices of every part",
         ),
         ({"layers.*.mlp.up_proj": "packed_rowwise"}, "packed_rowwise", "a packed row-wise split is not supported yet"),
-        ({"layers.*.mlp": "moe_tp_experts"}, "moe_tp_experts", "expert tensor parallelism is not supported yet"),
-        ({"layers.*.mlp": "moe_identity_expert"}, "moe_identity_expert", "an identity expert beside"),
+        # On a module that is not an experts module (fused [num_experts, ...] weights, `num_experts`).
+        ({"layers.*.mlp": "moe_tp_experts"}, "moe_tp_experts", "it splits an experts module .* `LlamaMLP`"),
+        ({"layers.*.mlp": "moe_identity_expert"}, "moe_identity_expert", r"an identity \(zero-compute\) expert"),
         ({"layers.*.self_attn": "local_params"}, "local_params", "a module run on its local shards"),
     ],
 )
@@ -103,15 +105,27 @@ def test_each_refused_style_is_refused_by_name_with_its_reason_under_tensor_para
     assert "tensor_parallel_size=1" in str(err.value)
 
 
-def test_a_moe_family_shards_with_fsdp_alone_and_is_refused_for_its_experts_under_tensor_parallelism():
+def test_a_moe_family_splits_whole_experts_over_tensor_parallelism_and_names_them_for_expert_parallelism():
     model = _meta("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     plan = plan_for(model)
     plan.check(model, 1)
     assert plan.fsdp_units == ("model.layers.*",)
-    # One placeholder for the experts module, whose reason comes first: not its packed parameters' own.
-    assert [p for p in plan.tensor_parallel if "experts" in p] == ["model.layers.*.mlp.experts"]
-    with pytest.raises(RefusedStyleError, match=r"'model\.layers\.\*\.mlp\.experts' to the style 'moe_tp_experts'"):
-        plan.check(model, 2)
+    # Before: a RefusedStyle placeholder ('moe_tp_experts' refused under TP). One style for the experts module,
+    # which covers its packed parameter entries; the experts modules come from the config's expert-parallel plan.
+    styles = {p: s for p, s in plan.tensor_parallel.items() if "experts" in p}
+    assert list(styles) == ["model.layers.*.mlp.experts"]
+    assert isinstance(styles["model.layers.*.mlp.experts"], ExpertsOverTensorParallel)
+    assert plan.experts == ("model.layers.*.mlp.experts",)
+    plan.check(model, 2, expert_parallel_size=2)
+    plan.check(model, 1, expert_parallel_size=4)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=3 must divide .*'model\.layers\.\*\.mlp\.experts' num_experts=4"
+    ):
+        plan.check(model, 3)
+    with pytest.raises(
+        ValueError, match=r"`expert_parallel_size=3` must divide the number of experts.*among \[1, 2, 4\]"
+    ):
+        plan.check(model, 1, expert_parallel_size=3)
 
 
 def test_a_style_on_a_module_of_another_kind_and_a_bare_parameter_are_refused():

@@ -56,11 +56,14 @@ def plan_for(
       ``"replicated_with_grad_allreduce"`` (Qwen3's per-head ``q_norm`` / ``k_norm``) -> parameters replicated
       on the tensor-parallel ranks, the input marked as split over heads, so each rank's partial gradient is
       summed; ``"mla_kv_a_proj"`` -> replicated, the rope part's gradient summed. Entries matching nothing in
-      this model are left out, as transformers does. The styles in :data:`HF_REFUSED` (the tensor-parallel
-      experts of MoE models ...) stay in the plan as placeholders: without tensor parallelism the plan shards
-      with FSDP alone (fused ``[experts, ...]`` tensors like any weight); with ``tensor_parallel_size > 1`` its
-      check raises :class:`~modelpar.hf.RefusedStyleError` (a ``ValueError`` and ``NotImplementedError``) with
-      the reason, before anything is sharded. An unknown style is a ``ValueError`` at once;
+      this model are left out, as transformers does. ``"moe_tp_experts"`` (a MoE layer's experts module) ->
+      whole experts per tensor-parallel rank, their outputs summed once (``docs/moe.md``). The styles in
+      :data:`HF_REFUSED` (packed projections outside an experts module ...) stay in the plan as placeholders:
+      without tensor parallelism the plan shards with FSDP alone; with ``tensor_parallel_size > 1`` its check
+      raises :class:`~modelpar.hf.RefusedStyleError` (a ``ValueError`` and ``NotImplementedError``) with the
+      reason, before anything is sharded. An unknown style is a ``ValueError`` at once;
+    - experts: the experts modules of the config's ``base_model_ep_plan`` (``"ep_dispatch_experts"``) become the
+      plan's ``experts``, split over the expert axis under ``expert_parallel_size > 1``;
     - with tied word embeddings the LM head keeps its (shared) weight replicated, since sharding it would
       untie it; ``loss_parallel`` then has nothing to shard and is refused;
     - FSDP units: the modules of the classes in ``model._no_split_modules`` (the decoder layers), else the
@@ -99,12 +102,12 @@ def plan_for(
     modules = dict(model.named_modules())
     parameters = [name for name, _ in model.named_parameters()]
     # A model without experts (or with a dense layer variant) leaves some patterns unmatched: transformers skips
-    # those entries too. A refused style anywhere is refused, `moe_tp_experts` first as the reason behind its parts.
+    # those entries too.
     present = {p: s for p, s in hf_plan.items() if any(matches(p, n) for n in (*modules, *parameters) if n)}
     tensor_parallel: dict[str, StyleSpec] = {}
-    # A refused entry (an expert's packed projections ...) stays in the plan as a placeholder on its module, which
-    # raises only under tensor parallelism: the plan still serves FSDP alone. `moe_tp_experts` goes first, so that
-    # its reason, not that of its packed parts, is the one given.
+    # A refused entry (a packed projection ...) stays in the plan as a placeholder on its module, which raises only
+    # under tensor parallelism: the plan still serves FSDP alone. `moe_tp_experts` goes first: its style (or its
+    # refusal) on the experts module covers the module's parameter entries ('packed_colwise', 'rowwise').
     for pattern, hf_style in sorted(present.items(), key=lambda item: item[1] != "moe_tp_experts"):
         on_head = head is not None and pattern == head
         if on_head and tied:
@@ -137,6 +140,7 @@ def plan_for(
     return ParallelPlan(
         tensor_parallel=tensor_parallel,
         fsdp_units=_decoder_layers(model),
+        experts=_experts_modules(model, modules),
         activation_checkpointing=activation_checkpointing,
         ac_every=ac_every,
         compile=compile,
@@ -160,6 +164,18 @@ def _hf_tp_plan(model: nn.Module) -> dict[str, str]:
     plan = {prefix + pattern: style for pattern, style in base_plan.items()}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
     return plan
+
+
+def _experts_modules(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """The experts modules of the config's expert-parallel plan (``"ep_dispatch_experts"`` entries) present here.
+
+    transformers names them in ``base_model_ep_plan``; modelpar splits them over the expert axis itself (the
+    plan's ``experts``), whatever that plan's other entries say about their parameters.
+    """
+    ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    prefix = _base_prefix(model)
+    patterns = [prefix + pattern for pattern, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    return tuple(p for p in patterns if any(name and matches(p, name) for name in modules))
 
 
 def _output_embeddings_name(model: nn.Module) -> str | None:

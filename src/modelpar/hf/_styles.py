@@ -44,6 +44,10 @@ HF_STYLES: Mapping[str, str] = {
     "mla_kv_a_proj": "replicated; the gradient of the output's rope part is summed over the tensor-parallel ranks",
     "all_reduce": "PrepareModuleOutput(Partial() -> Replicate()): the partial output is summed",
     "replicate": "replicated (the entry is left out)",
+    "moe_tp_experts": (
+        "whole experts per tensor-parallel rank (Shard(0) on the expert dim), the outputs summed by one all-reduce;"
+        " its 'packed_colwise' / 'rowwise' parameter entries are covered by it"
+    ),
 }
 
 _PACKED = (
@@ -58,15 +62,11 @@ _EXPERTS_FIX = (
 
 #: Hugging Face style -> why modelpar refuses it (a :class:`RefusedStyleError` naming the style).
 HF_REFUSED: Mapping[str, str] = {
-    "moe_tp_experts": (
-        "expert tensor parallelism is not supported yet: transformers splits each expert's packed gate/up"
-        f" projection column-wise and its down projection row-wise, and {_PACKED}. {_EXPERTS_FIX}"
-    ),
     "packed_colwise": f"a packed column-wise split is not supported yet: {_PACKED}. {_EXPERTS_FIX}",
     "packed_rowwise": f"a packed row-wise split is not supported yet: {_PACKED}. {_EXPERTS_FIX}",
     "moe_identity_expert": (
-        "an identity expert beside tensor-parallel experts is not supported yet, since expert tensor"
-        f" parallelism is not ('moe_tp_experts'). {_EXPERTS_FIX}"
+        "an identity (zero-compute) expert beside tensor-parallel experts is not supported yet: its tokens would be"
+        f" counted once per tensor-parallel rank in the summed output. {_EXPERTS_FIX}"
     ),
     "grouped_gemm": (
         "an expert-parallel style (transformers' `base_model_ep_plan`, which `plan_for` does not read) is not a"
@@ -130,6 +130,16 @@ def translate(pattern: str, hf_style: Any, module: nn.Module | None, *, on_head:
         raise refused(pattern, hf_style)
     if hf_style == "replicate":
         return SKIP
+    if hf_style == "moe_tp_experts" and module is not None:
+        from modelpar.moe._routed import ExpertsOverTensorParallel, is_routed_experts
+
+        if is_routed_experts(module):
+            return ExpertsOverTensorParallel()
+        raise RefusedStyleError(
+            f"The Hugging Face tensor-parallel plan maps {pattern!r} to the style 'moe_tp_experts': it splits an"
+            " experts module with fused [num_experts, ...] parameters and a `num_experts` attribute, but it is"
+            f" `{type(module).__name__}`. {_EXPERTS_FIX}."
+        )
     if module is None:
         raise RefusedStyleError(
             f"The Hugging Face tensor-parallel plan maps {pattern!r}, a bare parameter, to the style {hf_style!r}:"

@@ -1,9 +1,13 @@
 """Put MoE modules on the mesh: pre-flight checks, experts split over the expert axis and FSDP-sharded, dispatch.
 
-A MoE module, for this package, has a ``dispatch`` attribute (replaced here by :class:`ExpertParallel`) and an
-``experts`` submodule whose parameters are fused ``[n_experts, ...]`` tensors (``modelpar.models.moe.MoE``, and
-models written the same way). The checks read attributes and shapes only, so every rank raises the same error before
-any collective.
+A MoE module, for this package, is either of two shapes:
+
+- a ``dispatch`` attribute (replaced here by :class:`ExpertParallel`) and an ``experts`` submodule whose
+  parameters are fused ``[n_experts, ...]`` tensors (``modelpar.models.moe.MoE``, and models written the same way);
+- a transformers experts module itself (``...mlp.experts``: fused ``[num_experts, ...]`` parameters, a
+  ``num_experts`` attribute, called with the routing; :mod:`modelpar.moe._routed`).
+
+The checks read attributes and shapes only, so every rank raises the same error before any collective.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from modelpar._fsdp import fsdp_kwargs
 from modelpar.moe._dispatch import ExpertParallel
 from modelpar.moe._layout import expert_fsdp_mesh, expert_parallel_mesh, token_ranks
+from modelpar.moe._routed import expert_parallel_experts, routed_experts_size, shard_over
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -29,12 +33,17 @@ DISPATCH_ATTRIBUTE = "dispatch"
 
 
 def _experts(name: str, module: nn.Module) -> tuple[nn.Module, int]:
+    routed = routed_experts_size(module)
+    if routed is not None:
+        return module, routed
     experts = getattr(module, "experts", None)
     if not hasattr(module, DISPATCH_ATTRIBUTE) or not isinstance(experts, nn.Module):
         raise ValueError(
             f"{name!r} ({type(module).__name__}) is named as a MoE module, but it has no `{DISPATCH_ATTRIBUTE}`"
-            " attribute and `experts` submodule, so its tokens cannot be sent to experts on other ranks. Name the"
-            " modules like `modelpar.models.moe.MoE` (e.g. 'layers.*.moe'), or give yours that shape."
+            " attribute and `experts` submodule, and it is no transformers experts module (fused [num_experts, ...]"
+            " parameters and a `num_experts` attribute), so its tokens cannot be sent to experts on other ranks."
+            " Name the modules like `modelpar.models.moe.MoE` (e.g. 'layers.*.moe') or transformers' experts"
+            " (e.g. 'model.layers.*.mlp.experts'), or give yours one of those shapes."
         )
     params = list(experts.parameters(recurse=False))
     sizes = {p.shape[0] for p in params}
@@ -88,22 +97,25 @@ def parallelize_experts(module: nn.Module, device_mesh: DeviceMesh, **fsdp_overr
     ``fsdp_overrides``). Their gradients are divided by every token rank, not only that FSDP group: the
     all-to-all's backward already summed the expert-axis ranks' tokens. Always, when more than one rank sees
     distinct tokens: the module's ``dispatch`` becomes :class:`ExpertParallel` (the all-to-all, and router
-    statistics over the global batch). Returns ``module``.
+    statistics over the global batch). A transformers experts module is itself split and dispatched
+    (:func:`modelpar.moe._routed.expert_parallel_experts`); its router losses are the model's own. Returns ``module``.
     """
     ep_mesh = expert_parallel_mesh(device_mesh)
     ep = ep_mesh.size() if ep_mesh is not None else 1
     check_moe_module(type(module).__name__, module, ep)
     experts, _ = _experts(type(module).__name__, module)
+    routed = experts is module  # a transformers experts module: routed by its parent, dispatched here
     if ep_mesh is not None and ep > 1:
-        for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
-            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        if routed:
+            expert_parallel_experts(experts, device_mesh, ep_mesh)
+        else:
+            shard_over(experts, ep_mesh)
         shard_mesh = expert_fsdp_mesh(device_mesh)
         fully_shard(experts, **{**fsdp_kwargs(device_mesh, **fsdp_overrides), "mesh": shard_mesh})
         assert isinstance(experts, FSDPModule)  # fully_shard changed its class; not user-facing
         experts.set_gradient_divide_factor(float(token_ranks(device_mesh)))
         if sum_reduction_needed(str(dist.get_backend(ep_mesh.get_group())), shard_mesh.size(shard_mesh.ndim - 1)):
             experts.set_force_sum_reduction_for_comms(True)
-    if ep > 1 or token_ranks(device_mesh) > 1:
+    if not routed and (ep > 1 or token_ranks(device_mesh) > 1):
         setattr(module, DISPATCH_ATTRIBUTE, ExpertParallel(device_mesh))
     return module

@@ -10,6 +10,7 @@ backward is the transposed collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,8 +21,6 @@ from modelpar.moe._layout import expert_parallel_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from modelpar.models.moe import GroupedExperts
 
 __all__ = ["ExpertParallel", "all_to_all", "sum_over_group"]
 
@@ -93,8 +92,13 @@ class ExpertParallel:
     def sum_over_tokens(self, stats: torch.Tensor) -> torch.Tensor:
         return sum_over_group(stats, self.token_group) if self.token_group is not None else stats
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        """Dispatch ``tokens`` (sorted by global expert id, ``counts[e]`` per expert) and combine them, same order."""
+    def __call__(
+        self, tokens: torch.Tensor, counts: torch.Tensor, experts: Callable[[torch.Tensor, list[int]], torch.Tensor]
+    ) -> torch.Tensor:
+        """Dispatch ``tokens`` (sorted by global expert id, ``counts[e]`` per expert) and combine them, same order.
+
+        ``experts(tokens, counts)`` runs this rank's experts on tokens grouped by local expert (``GroupedExperts``).
+        """
         ep = self.ep_size
         if ep == 1:
             return experts(tokens, counts.tolist())

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from modelpar.plans._checks import resolve_modules
 
-__all__ = ["apply_experts", "moe_modules"]
+__all__ = ["apply_experts", "drop_expert_styles", "experts_name", "moe_modules"]
 
 
 def moe_modules(model: nn.Module, patterns: tuple[str, ...], expert_parallel_size: int) -> list[str]:
@@ -37,6 +37,21 @@ def moe_modules(model: nn.Module, patterns: tuple[str, ...], expert_parallel_siz
     for name in found:
         check_moe_module(name, model.get_submodule(name), expert_parallel_size)
     return found
+
+
+def experts_name(model: nn.Module, name: str) -> str:
+    """The submodule holding the fused expert weights of the MoE module ``name``: ``name`` itself for a transformers
+    experts module, else its ``experts`` child (``modelpar.models.moe.MoE``)."""
+    from modelpar.moe._routed import is_routed_experts
+
+    return name if is_routed_experts(model.get_submodule(name)) else f"{name}.experts"
+
+
+def drop_expert_styles(styles: dict[str, Any], moe_names: list[str]) -> dict[str, Any]:
+    """``styles`` without those on (or inside) the MoE modules: under expert parallelism their experts are whole on
+    each expert rank and replicated over tensor parallelism, so a tensor-parallel style there (transformers'
+    ``moe_tp_experts``) gives way."""
+    return {n: s for n, s in styles.items() if not any(n == m or n.startswith(m + ".") for m in moe_names)}
 
 
 def apply_experts(model: nn.Module, device_mesh: DeviceMesh, patterns: tuple[str, ...], **fsdp_overrides: Any) -> None:

@@ -29,7 +29,7 @@ from modelpar.plans._checks import (
     resolve_units,
 )
 from modelpar.plans._context import apply_context_parallel, attention_modules, is_hugging_face
-from modelpar.plans._experts import apply_experts, moe_modules
+from modelpar.plans._experts import apply_experts, drop_expert_styles, moe_modules
 from modelpar.plans._styles import STYLES, StyleSpec, apply_style
 
 __all__ = ["ActivationCheckpointing", "ParallelPlan"]
@@ -104,7 +104,10 @@ class ParallelPlan:
             attribute and an ``experts`` submodule of fused ``[n_experts, ...]`` weights (``modelpar.models.moe.MoE``).
             Under ``expert_parallel_size > 1`` their experts are split over the expert axis and FSDP-sharded over
             the ranks holding the same experts, tokens travel by all-to-all; with several token ranks their router
-            statistics are summed over them (global-batch auxiliary losses). See docs/moe.md.
+            statistics are summed over them (global-batch auxiliary losses). Or transformers' experts modules
+            themselves (``"model.layers.*.mlp.experts"``, as ``modelpar.hf.plan_for`` names them). Under expert
+            parallelism, tensor-parallel styles on these modules give way: their experts are whole on each rank.
+            See docs/moe.md.
     """
 
     tensor_parallel: Mapping[str, StyleSpec] = field(default_factory=dict)
@@ -219,8 +222,10 @@ class ParallelPlan:
     ) -> tuple[dict[str, StyleSpec], list[str]]:
         if context_parallel_size > 1 and not is_hugging_face(model):
             attention_modules(model, self.attention)
-        moe_modules(model, self.experts, expert_parallel_size)
+        moes = moe_modules(model, self.experts, expert_parallel_size)
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
+        if expert_parallel_size > 1:
+            styles = drop_expert_styles(styles, moes)
         units = resolve_units(model, self.fsdp_units)
         check_refused(styles, tensor_parallel_size)
         check_divisible(model, styles, tensor_parallel_size)

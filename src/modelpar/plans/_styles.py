@@ -45,7 +45,14 @@ COLUMN_STYLES = ("colwise", "colwise_gather")
 
 
 def sharded_dims(module: nn.Module, style: StyleSpec) -> list[tuple[str, int]]:
-    """The dimensions ``style`` splits across the tensor-parallel ranks, as ``(attribute, size)`` pairs."""
+    """The dimensions ``style`` splits across the tensor-parallel ranks, as ``(attribute, size)`` pairs.
+
+    A ``ParallelStyle`` with a ``sharded_dims(module)`` method of its own answers for itself.
+    """
+    own = getattr(style, "sharded_dims", None)
+    if callable(own):
+        answer: list[tuple[str, int]] = own(module)
+        return answer
     colwise = style in ("colwise", "colwise_gather", "output") or isinstance(style, ColwiseParallel)
     rowwise = style in ("rowwise", "embedding") or isinstance(style, RowwiseParallel)
     if isinstance(module, nn.Linear):
