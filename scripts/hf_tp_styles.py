@@ -53,8 +53,10 @@ def main() -> None:
                 uses[("_tp_plan", style)].add(source.parent.name)
 
     def outcome(plan: str, style: str) -> str:
+        if plan == "base_model_ep_plan" and style == "ep_dispatch_experts":
+            return "read by plan_for: the experts modules its `experts` names (split over the expert axis)"
         if plan == "base_model_ep_plan":
-            return "not read by plan_for (an expert-parallel plan)"
+            return "not read: modelpar splits the experts module whole (its parameters follow)"
         if style in HF_STYLES:
             return f"mapped: {HF_STYLES[style]}"
         if style in HF_REFUSED:

@@ -4,7 +4,7 @@ One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Q
 ``k_norm``, replicated with summed gradients), Mistral, OLMo2, Phi-3 and GLM-4 (gathered projections before a
 row-wise layer that splits its replicated input: ``rowwise_split_input``) and MiniCPM3 (MLA: ``mla_kv_a_proj``)
 at 2 (data) x 2 (tensor), Qwen3-MoE (fused experts from a per-expert folder, saved back per expert) with
-FSDP alone at 4 x 1 and on a 4-rank "expert_parallel" axis, Qwen3 with loss parallelism
+FSDP alone at 4 x 1, at 2 x 2 and with expert parallelism, and on a 4-rank "expert_parallel" axis, Qwen3 with loss parallelism
 and selective activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
 built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
 ``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
@@ -263,7 +263,7 @@ def grid(root: Path, only: tuple[str, ...] = ()) -> dict[str, Any]:
         "qwen3_moe_2x2": lambda: case(root / "qwen3_moe", 2, 2, steps=3, reshard_to=(4, 1, 1, 4)),
         "mixtral_2x2": lambda: case(root / "mixtral", 2, 2, steps=2),
         "qwen3_moe_ep2": lambda: case(
-            root / "qwen3_moe", 4, 1, steps=3, expert_parallel_size=2, reshard_to=(4, 1, 1, 4)
+            root / "qwen3_moe", 4, 1, steps=3, expert_parallel_size=2, reshard_to=(4, 1, 1, 4), export="ep2_export"
         ),
         "qwen3_moe_ep4": lambda: case(root / "qwen3_moe", 4, 1, steps=2, expert_parallel_size=4),
         "mixtral_ep2_tp2": lambda: case(root / "mixtral", 2, 2, steps=2, expert_parallel_size=2),
@@ -389,6 +389,7 @@ def test_a_mixture_of_experts_model_saved_sharded_is_written_per_expert_and_relo
     # experts fused, unlike transformers. Weights (exactly) and logits were compared on every rank in the grid.
     written = set(results[0]["qwen3_moe_4x1"]["export_names"])
     assert written == set(file_keys(folders / "qwen3_moe"))
+    assert set(results[0]["qwen3_moe_ep2"]["export_names"]) == written  # experts split over the expert axis
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in written
 
 
