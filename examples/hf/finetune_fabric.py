@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face Llama with Fabric at data_parallel=2 x tensor_parallel=2, then export it.
+"""Fine-tune a Hugging Face Llama (or a mixture of experts) with Fabric at data_parallel=2 x tensor_parallel=2, export it.
 
 No hand-written sharding: ``modelpar.hf.plan_for(model)`` reads the model's own tensor-parallel plan. Runs on
 4 CPU processes (gloo) by default::
@@ -6,7 +6,13 @@ No hand-written sharding: ``modelpar.hf.plan_for(model)`` reads the model's own 
     python examples/hf/finetune_fabric.py --make-tiny /tmp/tiny-llama --out /tmp/tiny-llama-tuned
     python examples/hf/finetune_fabric.py --pretrained path/to/llama --out exports/llama-tuned --accelerator cuda
 
-``--make-tiny DIR`` writes a tiny random Llama to DIR if DIR has no ``config.json`` yet, and fine-tunes it. The
+A mixture of experts (Qwen3-MoE, Mixtral ...) runs the same way; ``--expert-parallel N`` splits its experts over N
+ranks of the data-parallel ones (tokens reach them by all-to-all), and tensor parallelism splits them whole::
+
+    python examples/hf/finetune_fabric.py --make-tiny /tmp/tiny-moe --moe --expert-parallel 2 --out /tmp/tiny-moe-tuned
+
+``--make-tiny DIR`` writes a tiny random Llama (``--moe``: Qwen3-MoE, 4 experts, top-2) to DIR if DIR has no
+``config.json`` yet, and fine-tunes it. The
 model is built on the meta device, sharded, filled with ``load_pretrained`` (each rank reads only its shards),
 trained for ``--steps`` AdamW steps, and written with ``save_pretrained``. Last, rank 0 loads the export with
 ``from_pretrained`` and reports whether it reproduces the trained model's logits.
@@ -20,15 +26,15 @@ from pathlib import Path
 import torch
 from lightning_fabric import Fabric
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 import modelpar.hf
 from modelpar import ModelParallelStrategy
 
 
-def make_tiny(folder: Path) -> None:
-    """A tiny random Llama saved as a pretrained folder (heads divisible by the tensor-parallel size)."""
-    config = LlamaConfig(
+def make_tiny(folder: Path, moe: bool) -> None:
+    """A tiny random Llama or Qwen3-MoE saved as a pretrained folder (heads and experts divisible by TP and EP)."""
+    sizes = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -38,6 +44,10 @@ def make_tiny(folder: Path) -> None:
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
+    if moe:
+        config = Qwen3MoeConfig(**sizes, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    else:
+        config = LlamaConfig(**sizes)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
@@ -60,11 +70,13 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--pretrained", type=Path, help="a pretrained folder (config.json + safetensors)")
     source.add_argument("--make-tiny", type=Path, help="write a tiny random Llama here if absent, and use it")
+    parser.add_argument("--moe", action="store_true", help="--make-tiny writes a tiny Qwen3-MoE instead")
     parser.add_argument("--out", type=Path, required=True, help="where to export the fine-tuned model")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--data-parallel", type=int, default=2)
     parser.add_argument("--tensor-parallel", type=int, default=2)
+    parser.add_argument("--expert-parallel", type=int, default=1, help="a MoE's experts over this many ranks")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8, help="global batch, split over data-parallel ranks")
     parser.add_argument("--seq-len", type=int, default=32)
@@ -72,12 +84,14 @@ def main() -> None:
     args = parser.parse_args()
 
     pretrained: Path = args.pretrained or args.make_tiny
-    strategy = ModelParallelStrategy(parallelize, args.data_parallel, args.tensor_parallel)
+    strategy = ModelParallelStrategy(
+        parallelize, args.data_parallel, args.tensor_parallel, expert_parallel_size=args.expert_parallel
+    )
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy)
     fabric.launch()
     if args.make_tiny is not None and fabric.global_rank == 0 and not (pretrained / "config.json").is_file():
-        make_tiny(pretrained)
-        print(f"wrote a tiny random Llama to {pretrained}")
+        make_tiny(pretrained, args.moe)
+        print(f"wrote a tiny random {'Qwen3-MoE' if args.moe else 'Llama'} to {pretrained}")
     fabric.barrier()
     fabric.seed_everything(42)  # every rank alike (making the tiny model drew from rank 0's random stream)
 

@@ -29,24 +29,28 @@ def weights(folder: Path) -> dict[str, object]:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118  (safe_open has no __iter__)
 
 
-def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_at_2x2_and_export_what_they_trained(tmp_path):
-    tiny = tmp_path / "tiny"
+def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_and_moe_and_export_what_they_trained(tmp_path):
+    tiny, moe = tmp_path / "tiny", tmp_path / "moe"
     steps = ("--steps", "2", "--seq-len", "16")
+    # The Fabric example fine-tunes a mixture of experts, its experts over 2 expert ranks (x 2 tensor-parallel).
     fabric_out = run(
-        str(ROOT / "examples/hf/finetune_fabric.py"), "--make-tiny", str(tiny), "--out", str(tmp_path / "f"), *steps,
+        str(ROOT / "examples/hf/finetune_fabric.py"), "--make-tiny", str(moe), "--moe", "--expert-parallel", "2",
+        "--out", str(tmp_path / "f"), *steps,
         cwd=tmp_path,
     )  # fmt: skip
+    assert "wrote a tiny random Qwen3-MoE" in fabric_out and "step   2 | loss" in fabric_out
     trainer_out = run(
-        str(ROOT / "examples/hf/finetune_trainer.py"), "--pretrained", str(tiny), "--out", str(tmp_path / "t"), *steps,
+        str(ROOT / "examples/hf/finetune_trainer.py"), "--make-tiny", str(tiny), "--out", str(tmp_path / "t"), *steps,
         cwd=tmp_path,
     )  # fmt: skip
-    assert "wrote a tiny random Llama" in fabric_out and "step   2 | loss" in fabric_out
     assert "finished at step 2" in trainer_out
-    pretrained = weights(tiny)
-    for output, folder in ((fabric_out, tmp_path / "f"), (trainer_out, tmp_path / "t")):
+    for output, folder, source, architecture in (
+        (fabric_out, tmp_path / "f", moe, "Qwen3MoeForCausalLM"),
+        (trainer_out, tmp_path / "t", tiny, "LlamaForCausalLM"),
+    ):
         assert "from_pretrained(out) reproduces the trained model's logits: True" in output, output[-3000:]
-        assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-        exported = weights(folder)
+        assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
+        pretrained, exported = weights(source), weights(folder)
         assert sorted(exported) == sorted(pretrained)
         assert not all(exported[k].equal(pretrained[k]) for k in pretrained)  # type: ignore[attr-defined]
 
