@@ -62,13 +62,15 @@ def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
         assert torch.equal(got(tokens()).logits, want(tokens()).logits)
 
 
-def test_the_public_surface_is_load_save_export_plan_and_the_refusal_error():
+def test_the_public_surface_is_load_save_export_plan_the_refusal_error_and_the_router_loss():
     assert modelpar.hf.__all__ == [
         "RefusedStyleError",
         "load_pretrained",
         "save_pretrained",
         "export_checkpoint",
         "plan_for",
+        "router_aux_loss",
+        "with_global_router_loss",
     ]
 
 
