@@ -339,5 +339,10 @@ def test_bad_layouts_are_refused_on_every_rank_with_the_fix(results):
 def context_and_expert_grids(root: str) -> dict[str, Any]:
     """The body of the shared 4-rank session spawn (``context_parallel_spawn`` in ``conftest.py``)."""
     from test_context_parallel import kernel_and_strategy_grid
+    from test_hf_router_loss import case_hf_router_loss_is_the_global_batch_one
 
-    return {**kernel_and_strategy_grid(root), "experts": grid(f"{root}/experts")}
+    return {
+        **kernel_and_strategy_grid(root),
+        "experts": grid(f"{root}/experts"),
+        "hf_router_loss": case_hf_router_loss_is_the_global_batch_one(),
+    }
