@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from hf_tiny import TINY_SIZES
 from parity import error_text
@@ -73,10 +74,14 @@ def case_hf_router_loss_is_the_global_batch_one() -> dict[str, Any]:
     per = ROWS // world
     mine = slice(rank * per, (rank + 1) * per)
 
+    counts: dict[str, int] = {}
+
     def step(global_loss: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, Any]:
         model.zero_grad(set_to_none=True)
         out = model(ids[mine], attention_mask=mask[mine], labels=ids[mine])
-        aux = router_aux_loss(out.router_logits, model, device_mesh=mesh, attention_mask=mask[mine])
+        with CommDebugMode() as comm:
+            aux = router_aux_loss(out.router_logits, model, device_mesh=mesh, attention_mask=mask[mine])
+        counts.update({str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()})
         loss = (
             with_global_router_loss(out, model, device_mesh=mesh, attention_mask=mask[mine])
             if global_loss
@@ -96,6 +101,7 @@ def case_hf_router_loss_is_the_global_batch_one() -> dict[str, Any]:
         "grad_diff": _worst(grads, ref_grads),
         "router_grad_diff": _worst(grads, ref_grads, "mlp.gate"),
         "per_rank_router_grad_diff": _worst(per_rank_grads, ref_grads, "mlp.gate"),
+        "collectives": counts,
         "no_mesh": error_text(lambda: router_aux_loss(local.router_logits, model, device_mesh=None)),
     }
 
@@ -107,6 +113,7 @@ def test_the_global_router_loss_of_an_hf_moe_is_one_process_s_and_the_per_rank_o
         assert abs(got["global_aux"] - got["one_process_aux"]) <= 1e-6, got
         # transformers' per-rank loss, averaged over the ranks, is not the one-process loss (a product of means)
         assert abs(got["mean_of_per_rank_aux"] - got["one_process_aux"]) > 1e-3, got
+        assert got["collectives"] == {"allreduce_": 1}  # the 2E + 1 sums, once per forward
 
 
 def test_the_gradients_with_the_global_loss_are_one_process_s_and_with_the_per_rank_loss_are_not(

@@ -18,7 +18,8 @@ Mixtral, GPT-OSS, OLMoE, Jamba, DBRX, GraniteMoE, MiniMax, Ernie 4.5 MoE, PhiMoE
 ``router_logits`` are the raw logits its top-k-then-softmax routing starts from, and the loss softmaxes all of
 them, as here). Three compute another loss and are refused with ``NotImplementedError``: Doge (product-key
 routing), NLLB-MoE and Switch Transformers (encoder-decoder, per-group means, Switch's router z-loss).
-DeepSeek-V3 and GLM-4-MoE have no auxiliary loss in transformers (bias-based balancing) and nothing to fix.
+DeepSeek-V3 and GLM-4-MoE return router logits but no auxiliary loss in transformers (bias-based balancing): there
+is no per-rank loss to fix (their own sequence-wise loss, sigmoid-based, is not this formula).
 """
 
 from __future__ import annotations
@@ -210,7 +211,12 @@ def with_global_router_loss(
     """
     loss, local_aux = getattr(outputs, "loss", None), getattr(outputs, "aux_loss", None)
     if loss is None or local_aux is None:
-        missing = "`labels`" if loss is None else "`output_router_logits=True`"
+        missing = (
+            "`labels`"
+            if loss is None
+            else "`output_router_logits=True` (a family with no aux loss in transformers, such as DeepSeek-V3 or"
+            " GLM-4-MoE, has none to replace)"
+        )
         absent = "loss" if loss is None else "aux_loss"
         raise ValueError(
             f"with_global_router_loss needs `outputs.loss` and `outputs.aux_loss`, but `outputs.{absent}` is None."
