@@ -106,3 +106,16 @@ def test_missing_or_misshapen_router_logits_and_masks_are_refused_with_the_fix()
         with_global_router_loss(model(ids, output_router_logits=True), model, device_mesh=None)
     with pytest.raises(ValueError, match=r"`outputs.aux_loss` is None. Call the model with `output_router_logits"):
         with_global_router_loss(model(ids, labels=ids), model, device_mesh=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_router_logits_give_transformers_value_bitwise(dtype):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(0)
+    logits = tuple(torch.randn(21, 8, generator=g).to(dtype) for _ in range(3))
+    mask = (torch.rand(3, 7, generator=g) > 0.3).long()
+    config = Qwen3MoeConfig(**TINY_SIZES, num_experts=8, num_experts_per_tok=3)
+    for m in (None, mask):
+        want = load_balancing_loss_func(logits, 8, 3, m)
+        assert torch.equal(router_aux_loss(logits, config, device_mesh=None, attention_mask=m), want)
