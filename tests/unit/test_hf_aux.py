@@ -109,7 +109,7 @@ def test_missing_or_misshapen_router_logits_and_masks_are_refused_with_the_fix()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_low_precision_router_logits_give_transformers_value_bitwise(dtype):
+def test_bf16_and_fp32_router_logits_give_transformers_value_bitwise(dtype):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     g = torch.Generator().manual_seed(0)
