@@ -19,7 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from harness import PG_TIMEOUT
 from hf_tiny import TINY_SIZES
+from modelpar._mesh import MeshLayout, token_mesh
 from parity import error_text
 
 COEF = 1.0  # large, so the aux loss moves the router gradients well above the tolerance
@@ -90,8 +92,30 @@ def case_hf_router_loss_is_the_global_batch_one() -> dict[str, Any]:
         loss.backward()
         return _grads(model), aux.detach(), out
 
+    other_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     per_rank_grads, _, local = step(global_loss=False)
     grads, global_aux, _ = step(global_loss=True)
+    # The strategy's own meshes: HSDP ("data_parallel" a flattened axis, 4 token ranks), dp=2 x tp=2 (the TP peers
+    # hold the same tokens: 2 token ranks), dp=2 x cp=2 (4 token ranks, over the flattened data x context axis). Each
+    # token rank passes its share of the one-process router logits (any split of the tokens gives the same sums).
+    layouts = {
+        "hsdp_2x2": MeshLayout(data_parallel_size=4, tensor_parallel_size=1, data_parallel_replicate_size=2),
+        "dp2_tp2": MeshLayout(data_parallel_size=2, tensor_parallel_size=2),
+        "dp2_cp2": MeshLayout(data_parallel_size=2, tensor_parallel_size=1, context_parallel_size=2),
+    }
+    ref_logits = [layer.detach() for layer in want.router_logits]
+    on_layouts = {}
+    for name, layout in layouts.items():
+        strategy_mesh = layout.build("cpu", "gloo", PG_TIMEOUT)
+        tokens = token_mesh(strategy_mesh)
+        n, r = tokens.size(), tokens.get_local_rank()
+        rows = slice(r * ROWS // n * SEQ, (r + 1) * ROWS // n * SEQ)
+        on_layouts[name] = router_aux_loss(
+            [layer[rows] for layer in ref_logits],
+            config,
+            device_mesh=strategy_mesh,
+            attention_mask=mask[r * ROWS // n : (r + 1) * ROWS // n],
+        ).item()
     mean_local = local.aux_loss.detach().clone()
     dist.all_reduce(mean_local)
     return {
@@ -102,7 +126,9 @@ def case_hf_router_loss_is_the_global_batch_one() -> dict[str, Any]:
         "router_grad_diff": _worst(grads, ref_grads, "mlp.gate"),
         "per_rank_router_grad_diff": _worst(per_rank_grads, ref_grads, "mlp.gate"),
         "collectives": counts,
+        "strategy_meshes": on_layouts,
         "no_mesh": error_text(lambda: router_aux_loss(local.router_logits, model, device_mesh=None)),
+        "other_mesh": error_text(lambda: router_aux_loss(local.router_logits, model, device_mesh=other_mesh)),
     }
 
 
@@ -114,6 +140,8 @@ def test_the_global_router_loss_of_an_hf_moe_is_one_process_s_and_the_per_rank_o
         # transformers' per-rank loss, averaged over the ranks, is not the one-process loss (a product of means)
         assert abs(got["mean_of_per_rank_aux"] - got["one_process_aux"]) > 1e-3, got
         assert got["collectives"] == {"allreduce_": 1}  # the 2E + 1 sums, once per forward
+        for layout, value in got["strategy_meshes"].items():  # flattened axes; TP peers left out
+            assert abs(value - got["one_process_aux"]) <= 1e-6, (layout, got)
 
 
 def test_the_gradients_with_the_global_loss_are_one_process_s_and_with_the_per_rank_loss_are_not(
@@ -130,4 +158,7 @@ def test_without_the_mesh_on_several_processes_it_refuses_on_every_rank(context_
     for rank in context_parallel_spawn:
         assert rank["hf_router_loss"]["no_mesh"].startswith(
             "ValueError: router_aux_loss(device_mesh=None) with 4 processes would give each rank the loss of its own"
+        )
+        assert rank["hf_router_loss"]["other_mesh"].startswith(
+            "ValueError: The mesh has axes ['dp'], but router_aux_loss sums over its `data_parallel` axis"
         )

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelpar._mesh import token_mesh
+from modelpar._mesh import CONTEXT_PARALLEL_AXIS, MESH_AXES, token_mesh
 from modelpar.moe import sum_over_group
 
 if TYPE_CHECKING:
@@ -112,7 +112,15 @@ def _token_group(device_mesh: DeviceMesh | None) -> Any:
                 " `configure_model`, or the one `parallelize_fn` receives)."
             )
         return None
-    tokens = token_mesh(device_mesh)
+    try:  # the strategy's meshes reach "data_parallel" also when it is a flattened axis (HSDP, expert parallelism)
+        tokens = token_mesh(device_mesh)
+    except (KeyError, RuntimeError, ValueError) as err:
+        names = list(device_mesh.mesh_dim_names or ())
+        raise ValueError(
+            f"The mesh has axes {names}, but router_aux_loss sums over its `{MESH_AXES[0]}` axis (and"
+            f" `{CONTEXT_PARALLEL_AXIS}`). Pass the strategy's `device_mesh` (or name your data-parallel axis"
+            f" `{MESH_AXES[0]}`)."
+        ) from err
     return tokens.get_group() if tokens.size() > 1 else None
 
 
