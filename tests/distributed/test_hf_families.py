@@ -84,12 +84,17 @@ def tiny_gpt_oss() -> Any:
     return GptOssConfig(**TINY_SIZES, head_dim=8, num_local_experts=2, num_experts_per_tok=1, rope_parameters=rope)
 
 
+#: Large enough that a per-rank load-balancing loss would fail the gradient comparison.
+AUX_COEF = 0.5
+
+
 def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str, Any]:
     """Meta model -> plan_for -> strategy -> load_pretrained -> AdamW steps, against one process."""
     replicate = options.pop("data_parallel_replicate_size", 1)
     export = options.pop("export", None)
     ep = options.pop("expert_parallel_size", 1)
     reshard_to = options.pop("reshard_to", None)
+    aux = options.pop("aux", False)
     fabric, model = sharded_model(folder, dp, tp, replicate, ep, options)
     modelpar.hf.load_pretrained(model, folder)
     out: dict[str, Any] = {"losses": [], "state_bytes": state_bytes(folder, model, dp, tp, replicate, ep, options)}
@@ -98,12 +103,17 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     assert_matches(model, ref, "param")
     for x, y in global_batches(steps):
-        logits = model(local_slice(fabric, x)).logits
+        outputs = model(local_slice(fabric, x), output_router_logits=True) if aux else model(local_slice(fabric, x))
+        logits = outputs.logits
         out["logits"] = [str(p) for p in logits.placements] if isinstance(logits, DTensor) else "plain"
         with loss_parallel(logits):
             loss = lm_loss(logits, local_slice(fabric, y))
+            if aux:  # the router's load-balancing loss over the global batch, as one process computes it
+                mesh = fabric.strategy.device_mesh
+                loss = loss + AUX_COEF * modelpar.hf.router_aux_loss(outputs.router_logits, model, device_mesh=mesh)
             fabric.backward(loss)
-        ref_loss = lm_loss(ref(x).logits, y)
+        ref_out = ref(x, output_router_logits=aux)
+        ref_loss = lm_loss(ref_out.logits, y) + (AUX_COEF * ref_out.aux_loss if aux else 0)
         ref_loss.backward()
         local = loss.full_tensor() if isinstance(loss, DTensor) else loss
         global_loss = fabric.all_reduce(local.detach().clone())
@@ -260,13 +270,20 @@ def grid(root: Path, only: tuple[str, ...] = ()) -> dict[str, Any]:
         "gpt_oss_4x1": lambda: case(root / "gpt_oss", 4, 1, steps=2),
         "qwen3_moe_hsdp_2x2x1": lambda: case(root / "qwen3_moe", 4, 1, steps=2, data_parallel_replicate_size=2),
         # Experts split whole: over the tensor-parallel axis ('moe_tp_experts'), over the expert axis, both.
-        "qwen3_moe_2x2": lambda: case(root / "qwen3_moe", 2, 2, steps=3, reshard_to=(4, 1, 1, 4)),
+        "qwen3_moe_2x2": lambda: case(root / "qwen3_moe", 2, 2, steps=3, reshard_to=(4, 1, 1, 4), aux=True),
         "mixtral_2x2": lambda: case(root / "mixtral", 2, 2, steps=2),
         "qwen3_moe_ep2": lambda: case(
-            root / "qwen3_moe", 4, 1, steps=3, expert_parallel_size=2, reshard_to=(4, 1, 1, 4), export="ep2_export"
+            root / "qwen3_moe",
+            4,
+            1,
+            steps=3,
+            expert_parallel_size=2,
+            reshard_to=(4, 1, 1, 4),
+            export="ep2_export",
+            aux=True,
         ),
         "qwen3_moe_ep4": lambda: case(root / "qwen3_moe", 4, 1, steps=2, expert_parallel_size=4),
-        "mixtral_ep2_tp2": lambda: case(root / "mixtral", 2, 2, steps=2, expert_parallel_size=2),
+        "mixtral_ep2_tp2": lambda: case(root / "mixtral", 2, 2, steps=2, expert_parallel_size=2, aux=True),
         "gpt_oss_ep2": lambda: case(root / "gpt_oss", 4, 1, steps=2, expert_parallel_size=2),
         "qwen3_moe_hsdp_ep2_2x2x1": lambda: case(
             root / "qwen3_moe", 4, 1, steps=2, data_parallel_replicate_size=2, expert_parallel_size=2
