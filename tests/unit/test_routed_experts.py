@@ -66,6 +66,20 @@ def test_the_pairs_path_on_local_experts_equals_the_modules_own_forward(family, 
     torch.testing.assert_close(lower + upper, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_a_rank_whose_experts_get_no_pair_still_has_gradients_for_its_inputs_and_every_expert_weight(implementation):
+    # Before: transformers' eager loop returned zeros depending on nothing, so this rank would skip the
+    # all-to-all's backward and FSDP's reduce-scatter of its expert weights while the other ranks wait in them.
+    experts = _experts("mixtral", implementation)
+    run = _local_runner(experts, type(experts).forward)
+    tokens = torch.randn(0, experts.down_proj.shape[1], requires_grad=True)
+    out = run(tokens, torch.zeros(0, dtype=torch.long), torch.rand(3, 2))
+    assert out.shape == (0, experts.down_proj.shape[1]) and out.requires_grad
+    out.sum().backward()
+    assert tokens.grad is not None
+    assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
+
+
 def test_a_module_of_another_shape_is_not_taken_for_transformers_experts():
     from modelpar.models.moe import MoE
 

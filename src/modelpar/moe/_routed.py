@@ -97,7 +97,16 @@ def _local_runner(module: nn.Module, forward: Callable[..., torch.Tensor]) -> Ca
         }
         local[NUM_EXPERTS] = next(iter(local.values())).shape[0]
         ones = weight_like.new_ones((tokens.shape[0], 1))
-        return forward(_LocalView(module, local), tokens, local_ids.unsqueeze(-1), ones)
+        out = forward(_LocalView(module, local), tokens, local_ids.unsqueeze(-1), ones)
+        if tokens.shape[0] == 0:
+            # No pair reached this rank's experts: transformers' eager loop then returns zeros that depend on nothing.
+            # Keep the graph every rank has (the all-to-all's backward, FSDP's reduce-scatter of every expert
+            # weight): other ranks would wait in those collectives for this one.
+            anchor = sum(
+                (p.sum() for p in local.values() if isinstance(p, torch.Tensor) and p.requires_grad), tokens.sum()
+            )
+            out = out + 0 * anchor
+        return out
 
     return run
 
