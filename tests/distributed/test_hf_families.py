@@ -3,8 +3,9 @@
 One spawn of 4 CPU processes runs the grid: Llama, Qwen2 (biased projections), Qwen3 (per-head ``q_norm`` /
 ``k_norm``, replicated with summed gradients), Mistral, OLMo2, Phi-3 and GLM-4 (gathered projections before a
 row-wise layer that splits its replicated input: ``rowwise_split_input``) and MiniCPM3 (MLA: ``mla_kv_a_proj``)
-at 2 (data) x 2 (tensor), Qwen3-MoE (fused experts from a per-expert folder, saved back per expert) with
-FSDP alone at 4 x 1, at 2 x 2 and with expert parallelism, and on a 4-rank "expert_parallel" axis, Qwen3 with loss parallelism
+at 2 (data) x 2 (tensor), the MoE families Qwen3-MoE, Mixtral, GLM-4-MoE and GPT-OSS (fused experts from
+per-expert or fused folders, saved back per expert) with FSDP alone, experts over the tensor-parallel ranks, expert
+parallelism and HSDP, and on a 4-rank "expert_parallel" axis, Qwen3 with loss parallelism
 and selective activation checkpointing under HSDP 2x1x2, and Llama with loss parallelism at 2x2. Each model is
 built on the meta device from its config, set up with ``ModelParallelStrategy(plan_for(model))``, filled with
 ``load_pretrained`` from a tiny saved folder, and trained for a few AdamW steps next to ``from_pretrained``'s
@@ -31,6 +32,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     Glm4Config,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MiniCPM3Config,
@@ -66,6 +68,20 @@ FAMILIES: dict[str, Any] = {
         **TINY_SIZES, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
     ),
     "mixtral": lambda: MixtralConfig(**TINY_SIZES, num_local_experts=4, num_experts_per_tok=2),
+    # A dense first layer, then MoE layers with a shared expert (tensor-parallel like a dense MLP) and sigmoid
+    # routing with a score-correction bias (DeepSeek-V3's router, one group).
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **TINY_SIZES,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        pad_token_id=0,
+    ),
     "gpt_oss": lambda: tiny_gpt_oss(),
     # MLA: the rope part of kv_a_proj_with_mqa's output reaches every head, so its gradient is summed.
     "minicpm3": lambda: MiniCPM3Config(
@@ -129,10 +145,10 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     if q_norm is not None:
         out["q_norm"] = [str(p) for p in q_norm.weight.placements]
     out["mesh"] = tuple(fabric.strategy.device_mesh.shape)
-    experts = getattr(model.module.model.layers[0].mlp, "experts", None)
+    experts = getattr(model.module.model.layers[-1].mlp, "experts", None)
     if experts is not None:
         out["experts_local"] = list(local_tensor(experts.down_proj).shape)
-        out["experts_comms"] = experts_collectives(model.module.model.layers[0], model.module.config.hidden_size)
+        out["experts_comms"] = experts_collectives(model.module.model.layers[-1], model.module.config.hidden_size)
     if export is not None:
         out.update(export_and_reload(fabric, model, folder.parent / export))
     if reshard_to is not None:
@@ -145,7 +161,7 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
         x, y = next(iter(global_batches(1)))
         loss = lm_loss(model(local_slice(fabric, x)).logits, local_slice(fabric, y))
         out["resharded_loss"] = (fabric.all_reduce(loss.detach()).item(), lm_loss(ref(x).logits, y).item())
-        out["resharded_local"] = list(local_tensor(model.module.model.layers[0].mlp.experts.down_proj).shape)
+        out["resharded_local"] = list(local_tensor(model.module.model.layers[-1].mlp.experts.down_proj).shape)
     return out
 
 
@@ -266,12 +282,20 @@ def grid(root: Path, only: tuple[str, ...] = ()) -> dict[str, Any]:
         "glm4_2x2": lambda: case(root / "glm4", 2, 2, steps=2),
         "minicpm3_2x2": lambda: case(root / "minicpm3", 2, 2, steps=3),
         "qwen3_moe_4x1": lambda: case(root / "qwen3_moe", 4, 1, steps=3, export="qwen3_moe_export"),
-        "mixtral_4x1": lambda: case(root / "mixtral", 4, 1, steps=2),
         "gpt_oss_4x1": lambda: case(root / "gpt_oss", 4, 1, steps=2),
         "qwen3_moe_hsdp_2x2x1": lambda: case(root / "qwen3_moe", 4, 1, steps=2, data_parallel_replicate_size=2),
         # Experts split whole: over the tensor-parallel axis ('moe_tp_experts'), over the expert axis, both.
         "qwen3_moe_2x2": lambda: case(root / "qwen3_moe", 2, 2, steps=3, reshard_to=(4, 1, 1, 4), aux=True),
         "mixtral_2x2": lambda: case(root / "mixtral", 2, 2, steps=2),
+        "mixtral_ep4": lambda: case(root / "mixtral", 4, 1, steps=2, expert_parallel_size=4),
+        "mixtral_hsdp_ep2_2x2x1": lambda: case(
+            root / "mixtral", 4, 1, steps=2, data_parallel_replicate_size=2, expert_parallel_size=2
+        ),
+        "glm4_moe_2x2": lambda: case(root / "glm4_moe", 2, 2, steps=2),
+        "glm4_moe_ep4": lambda: case(root / "glm4_moe", 4, 1, steps=2, expert_parallel_size=4),
+        "glm4_moe_hsdp_ep2_2x2x1": lambda: case(
+            root / "glm4_moe", 4, 1, steps=2, data_parallel_replicate_size=2, expert_parallel_size=2
+        ),
         "qwen3_moe_ep2": lambda: case(
             root / "qwen3_moe",
             4,
@@ -348,7 +372,7 @@ def test_mixture_of_experts_families_train_with_fsdp_alone_like_one_process_from
     # Before: plan_for refused Qwen3-MoE whatever the layout ('moe_tp_experts', 'packed_colwise').
     # Mixtral's folder has the other per-expert layout (block_sparse_moe.experts.{e}.w1/w2/w3); GPT-OSS's is fused.
     for r in results:
-        for name in ("qwen3_moe_4x1", "mixtral_4x1", "gpt_oss_4x1", "qwen3_moe_hsdp_2x2x1"):
+        for name in ("qwen3_moe_4x1", "gpt_oss_4x1", "qwen3_moe_hsdp_2x2x1"):
             assert r[name]["mesh"] == ((2, 2, 1) if "hsdp" in name else (4, 1)), name
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
 
@@ -362,10 +386,16 @@ def test_moe_families_split_whole_experts_over_tensor_parallel_and_expert_axes_a
         "qwen3_moe_ep2": (2, 2, 1),  # expert_data_parallel x expert_parallel x tensor_parallel
         "qwen3_moe_ep4": (1, 4, 1),
         "gpt_oss_ep2": (2, 2, 1),
+        "mixtral_ep4": (1, 4, 1),
+        "mixtral_hsdp_ep2_2x2x1": (2, 1, 2, 1),
+        "glm4_moe_2x2": (2, 2),
+        "glm4_moe_ep4": (1, 4, 1),
+        "glm4_moe_hsdp_ep2_2x2x1": (2, 1, 2, 1),
         "mixtral_ep2_tp2": (1, 2, 2),  # experts whole on each expert rank, replicated over TP
         "qwen3_moe_hsdp_ep2_2x2x1": (2, 1, 2, 1),
     }
-    local_experts = {"mixtral_ep2_tp2": 2, "qwen3_moe_hsdp_ep2_2x2x1": 2}  # 4 experts / 2 expert ranks, no FSDP
+    local_experts = {"mixtral_ep2_tp2": 2, "qwen3_moe_hsdp_ep2_2x2x1": 2, "mixtral_hsdp_ep2_2x2x1": 2}
+    local_experts["glm4_moe_hsdp_ep2_2x2x1"] = 2  # 4 experts / 2 expert ranks, no FSDP
     for r in results:
         for name, mesh in meshes.items():
             assert r[name]["mesh"] == mesh, name
@@ -378,6 +408,9 @@ def test_tensor_parallel_experts_cost_one_all_reduce_forward_and_two_backward(re
     for r in results:
         for name in ("qwen3_moe_2x2", "mixtral_2x2"):
             assert r[name]["experts_comms"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 2}}, name
+        # GLM-4-MoE's block adds its shared expert, a dense MLP: one all-reduce forward (row-wise down_proj), two
+        # backward (the gradients of the column-wise gate_proj's and up_proj's replicated input).
+        assert r["glm4_moe_2x2"]["experts_comms"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 4}}
         # Expert parallelism: counts, dispatch and combine all-to-alls forward; the two token ones backward.
         ep4 = r["qwen3_moe_ep4"]["experts_comms"]
         assert ep4["forward"] == {"alltoall_base_": 3} and ep4["backward"]["alltoall_base_"] == 2
