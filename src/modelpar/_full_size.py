@@ -19,6 +19,7 @@ themselves when every tensor got a new one.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from modelpar._blocks import local_view
+from modelpar._expert_blocks import BlockDraw, NotBlockwise, is_fused_experts, stand_in
 from modelpar._unwritten import mark_unwritten, merge_written
 
 __all__ = ["FullSizeInit", "Scratch", "own_tensors", "run_hook"]
@@ -70,11 +72,18 @@ class Scratch:
 
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        # The flat buffer behind each view lent out, by address: ``view._base`` is not set on views made while a
+        # dispatch mode (the expert blocks' draw) is active.
+        self._lent: dict[int, torch.Tensor] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor of ``like``'s (global) shape, dtype and device, with arbitrary contents."""
-        numel = like.numel()
-        free = self._free.setdefault((like.dtype, like.device), [])
+        return self.take_shape(like.shape, like.dtype, like.device)
+
+    def take_shape(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape``, ``dtype`` and ``device``, with arbitrary contents."""
+        numel = math.prod(shape)
+        free = self._free.setdefault((dtype, device), [])
         sizes = [b.numel() for b in free]  # by position: tensors compare elementwise, not by identity
         fits = [i for i, size in enumerate(sizes) if size >= numel]
         if fits:
@@ -82,12 +91,16 @@ class Scratch:
         else:
             if free:
                 free.pop(max(range(len(free)), key=sizes.__getitem__))
-            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer[:numel].view(like.shape)
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+        view = buffer[:numel].view(shape)
+        self._lent[view.data_ptr()] = buffer
+        return view
 
     def give(self, view: torch.Tensor) -> None:
         """Return the buffer behind a view from :meth:`take`."""
-        base = view._base if view._base is not None else view
+        base = self._lent.pop(view.data_ptr(), None)
+        if base is None:  # an empty view (address 0): nothing worth keeping
+            return
         self._free.setdefault((base.dtype, base.device), []).append(base)
 
 
@@ -115,13 +128,16 @@ class FullSizeInit(TorchFunctionMode):
 
     Handled at the outermost call: an ``nn.init`` function that dispatches here runs whole on the plain
     tensor (its inner calls then see no DTensor); one that does not dispatch is plain Python whose random
-    ``Tensor`` methods arrive here one by one. Memory: one full-size tensor at a time.
+    ``Tensor`` methods arrive here one by one. Memory: one full-size tensor at a time, except for a fused
+    expert tensor (:func:`~modelpar._expert_blocks.is_fused_experts`), which is drawn in blocks through
+    ``blocks`` when the initializer allows (else at full size, from the same random state).
     """
 
-    def __init__(self, scratch: Scratch, written: set[int]) -> None:
+    def __init__(self, scratch: Scratch, written: set[int], blocks: BlockDraw) -> None:
         super().__init__()
         self._scratch = scratch
         self._written = written
+        self._blocks = blocks
 
     def __torch_function__(
         self,
@@ -135,17 +151,36 @@ class FullSizeInit(TorchFunctionMode):
             in_args = bool(args) and isinstance(args[0], DTensor)
             target = args[0] if in_args else kwargs.get("tensor")
             if isinstance(target, DTensor) and not target.is_meta:
+
+                def call(full: torch.Tensor) -> None:
+                    if in_args:
+                        func(full, *args[1:], **kwargs)
+                    else:
+                        func(*args, **{**kwargs, "tensor": full})
+
+                if is_fused_experts(target) and self._in_blocks(call, target):
+                    return target
                 full = self._scratch.take(target)
-                if in_args:
-                    args = (full, *args[1:])
-                else:
-                    kwargs["tensor"] = full
-                func(*args, **kwargs)
+                call(full)
                 _slice_into(target, full)
                 self._written.add(id(target))
                 self._scratch.give(full)
                 return target
         return func(*args, **kwargs)
+
+    def _in_blocks(self, call: Callable[[torch.Tensor], None], target: DTensor) -> bool:
+        """Run ``call`` on a block-drawn stand-in of ``target``; ``False`` (random state restored) if refused."""
+        stand = stand_in(target)
+        state = torch.get_rng_state()
+        self._blocks.add(stand, target)
+        try:
+            call(stand)
+        except NotBlockwise:
+            torch.set_rng_state(state)
+            return False
+        finally:
+            self._blocks.remove(stand)
+        return not self._blocks.refused(stand)
 
 
 def run_hook(
@@ -159,11 +194,44 @@ def run_hook(
     value (an earlier hook's, or the marker). A plain ``keep`` tensor's stand-in is a copy; the originals of
     ``keep`` come back untouched. A stand-in the hook replaced is left as the hook set it. Other modules'
     DTensors are handled by :class:`FullSizeInit`. The ids of DTensors written whole go into ``written``.
+
+    A fused expert DTensor (:func:`~modelpar._expert_blocks.is_fused_experts`) gets a one-element stand-in that
+    :class:`~modelpar._expert_blocks.BlockDraw` performs the hook's ops on, block by block. If the hook does
+    something with it that cannot be done so, the CPU random state is put back and the hook runs again with
+    full-size stand-ins (its Python side effects happen twice; its tensors get the values of one run).
     """
+    blocks = BlockDraw(scratch.take_shape, scratch.give, written)
+    fused = tuple(name for name, t in own_tensors(module) if name not in keep and is_fused_experts(t))
+    if fused:
+        state = torch.get_rng_state()
+        try:
+            if _run_hook(module, hook, keep, scratch, written, blocks, fused):
+                return
+        except NotBlockwise:
+            pass
+        torch.set_rng_state(state)
+    _run_hook(module, hook, keep, scratch, written, blocks, ())
+
+
+def _run_hook(
+    module: nn.Module,
+    hook: Callable[[], object],
+    keep: tuple[str, ...],
+    scratch: Scratch,
+    written: set[int],
+    blocks: BlockDraw,
+    in_blocks: tuple[str, ...],
+) -> bool:
+    """:func:`run_hook` with the ``in_blocks`` tensors drawn in blocks; ``False`` if :class:`BlockDraw` refused one."""
     swapped: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     drawn: list[torch.Tensor] = []  # the scratch views behind the DTensors' stand-ins
+    block_drawn: list[torch.Tensor] = []  # the one-element stand-ins of the tensors drawn in blocks
     for name, t in own_tensors(module):
-        if isinstance(t, DTensor):
+        if isinstance(t, DTensor) and name in in_blocks:
+            data = stand_in(t)
+            blocks.add(data, t)
+            block_drawn.append(data)
+        elif isinstance(t, DTensor):
             data = scratch.take(t)
             drawn.append(data)
             # Only this rank's block is merged back, so only it needs the marker (a quarter of the memory
@@ -174,21 +242,26 @@ def run_hook(
             data = t.detach().clone()
         else:
             continue
-        stand_in = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
-        swapped[name] = (t, stand_in)
-        setattr(module, name, stand_in)
+        stand_in_ = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        swapped[name] = (t, stand_in_)
+        setattr(module, name, stand_in_)
     try:
-        with FullSizeInit(scratch, written):
+        with FullSizeInit(scratch, written, blocks), blocks:
             hook()
     finally:
         filled: list[tuple[DTensor, torch.Tensor]] = []
-        for name, (original, stand_in) in swapped.items():
-            if name in keep or getattr(module, name) is stand_in:
+        for name, (original, stand) in swapped.items():
+            if name in keep or getattr(module, name) is stand:
                 setattr(module, name, original)
-                if name not in keep and isinstance(original, DTensor):
-                    filled.append((original, stand_in))
-    for original, stand_in in filled:  # reached only when the hook returned
-        if merge_written(original.to_local(), _local_part(original, stand_in)):
+                if name not in keep and name not in in_blocks and isinstance(original, DTensor):
+                    filled.append((original, stand))
+        for data in block_drawn:
+            blocks.remove(data)
+    if any(blocks.refused(data) for data in block_drawn):
+        return False  # the hook swallowed the refusal: run it again at full size
+    for original, stand in filled:  # reached only when the hook returned
+        if merge_written(original.to_local(), _local_part(original, stand)):
             written.add(id(original))
     for data in drawn:
         scratch.give(data)
+    return True

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness import run_distributed
 from modelpar._materialize import materialize_module
 from modelpar.models import Llama
+from modelpar.models.moe import GroupedExperts
 from modelpar.plans import llama_tp_plan
 from parity import CFG, assert_matches, global_batches, lm_loss, local_slice, make_fabric, reference_model
 
@@ -311,18 +312,41 @@ def test_meta_init_gives_every_rank_its_slice_of_the_single_process_model_on_eve
 
 
 class Uneven(nn.Module):
-    """Dims 7, 9, 13 (none divides by 2 or 3), so FSDP over TP leaves pieces of different sizes."""
+    """Dims 7, 9, 13 (none divides by 2 or 3), so FSDP over TP leaves pieces of different sizes.
+
+    Also fused experts, drawn a few experts at a time (``modelpar._expert_blocks``): 7 experts of 48 elements
+    (one a block), FSDP on the expert dim and TP on the other, and 40 of 15 elements (blocks of 16 and 24 experts)
+    under a root ``init_weights`` that draws them with ``normal_`` (Box-Muller 16 at a time) and ``trunc_normal_``.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.up = nn.Linear(9, 7)  # column-parallel: (7, 9) cut on dim 0 by TP, then by FSDP
         self.mid = nn.Linear(7, 13)  # column-parallel: (13, 7)
         self.down = nn.Linear(13, 9)  # row-parallel: (9, 13) on dim 1 by TP, on dim 0 by FSDP
+        self.experts = GroupedExperts(8, 6, 7)  # w1, w3 [7, 6, 8] and w2 [7, 8, 6]
+        self.fused = nn.Parameter(torch.empty(40, 3, 5))
+        self.fused_truncated = nn.Parameter(torch.empty(40, 3, 5))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.fused, std=0.02)
+        nn.init.trunc_normal_(self.fused_truncated, std=0.02)
+
+
+def _experts_on_tp(name: str, module: nn.Module, mesh: Any) -> None:
+    """TP on the experts' non-expert dims: w1 and w3 on their rows, w2 on its columns."""
+    if isinstance(module, GroupedExperts):
+        for weight, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            sharded = distribute_tensor(getattr(module, weight).data, mesh, [Shard(dim)])
+            module.register_parameter(weight, nn.Parameter(sharded))
 
 
 def shard_uneven(model: nn.Module, mesh: Any) -> nn.Module:
     plan = {"up": ColwiseParallel(), "mid": ColwiseParallel(), "down": RowwiseParallel()}
     parallelize_module(model, mesh["tensor_parallel"], plan)
+    distribute_module(model.experts, mesh["tensor_parallel"], _experts_on_tp)
+    fully_shard(model.experts, mesh=mesh["data_parallel"])
     fully_shard(model, mesh=mesh["data_parallel"])
     return model
 

@@ -6,15 +6,24 @@ consume the random stream as construction does and land on the same values, bit 
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from modelpar._expert_blocks import draws_in_blocks, expert_blocks
 from modelpar._materialize import materialize_module
 from modelpar.models import Llama, LlamaConfig
+from modelpar.models.moe import GroupedExperts
 
 CPU = torch.device("cpu")
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=64, max_seq_len=16)
@@ -284,3 +293,211 @@ def test_full_size_buffers_are_reused_from_tensor_to_tensor_and_hold_no_more_tha
     larger = scratch.take(torch.empty(10, 10))  # replaces the largest free one that is too small
     scratch.give(larger)
     assert sorted(b.numel() for b in scratch._free[(torch.float32, CPU)]) == [24, 100]
+
+
+# Fused expert tensors ([experts, rows, cols]) are drawn a few experts at a time. One rank's FSDP mesh makes them
+# DTensors (the sharded path) in one process; tests/distributed/test_meta_init_on_cpu.py checks uneven shards.
+
+
+@pytest.fixture
+def one_rank_mesh() -> Iterator[DeviceMesh]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The most elements of any plain tensor allocated (shards are DTensors here, so only the scratch counts)."""
+
+    _FACTORIES = frozenset(
+        [torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like, torch.ops.aten.new_empty]
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self._FACTORIES and not isinstance(out, DTensor):
+            self.numel = max(self.numel, out.numel())
+        return out
+
+
+def sharded_on_meta(
+    build: Callable[[], nn.Module], mesh: DeviceMesh, blocks: Callable[[nn.Module], list[nn.Module]]
+) -> nn.Module:
+    with torch.device("meta"):
+        model = build()
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def materialized_measured(model: nn.Module, seed: int = 0) -> int:
+    """Materialize ``model`` after ``seed``; the most elements of one plain allocation meanwhile."""
+    torch.manual_seed(seed)
+    with LargestAllocation() as largest:
+        materialize_module(model, CPU)
+    return largest.numel
+
+
+def assert_same_full_tensors(got: nn.Module, want: nn.Module) -> None:
+    want_state = want.state_dict()
+    for name, t in got.state_dict().items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        torch.testing.assert_close(full, want_state[name], atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_expert_blocks_hold_a_multiple_of_16_elements_and_the_remainder_joins_the_last_block() -> None:
+    assert expert_blocks(4, 48) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # 48 = 3 x 16: one expert a block
+    assert expert_blocks(40, 15) == [(0, 16), (16, 24)]  # 16 x 15 elements; 8 left over join the last
+    assert expert_blocks(5, 6) == [(0, 5)]  # fewer experts than a block: one draw
+    assert expert_blocks(6, 8) == [(0, 2), (2, 2), (4, 2)]
+
+
+def test_only_the_cpu_generator_draws_blocks_with_the_values_of_one_draw() -> None:
+    assert draws_in_blocks(torch.device("cpu"))
+    # CUDA's Philox offsets a launch by the elements before it: a block is not the full draw's part.
+    assert not draws_in_blocks(torch.device("cuda", 0))
+
+
+class ExpertsAndHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = GroupedExperts(16, 32, 8)
+        self.head = nn.Linear(16, 4)
+
+
+def test_fused_experts_are_drawn_one_expert_at_a_time_with_the_values_of_eager_construction(
+    one_rank_mesh: DeviceMesh,
+) -> None:
+    model = sharded_on_meta(ExpertsAndHead, one_rank_mesh, lambda m: [m.experts])
+    largest = materialized_measured(model)
+    assert_same_full_tensors(model, eager(ExpertsAndHead))
+    # w1 is [8, 32, 16]: one expert (512 elements, a multiple of 16) at a time, not the 4096 of the whole.
+    assert largest == 32 * 16, largest
+
+
+def test_a_llama_moe_built_on_meta_and_sharded_equals_eager_construction(one_rank_mesh: DeviceMesh) -> None:
+    cfg = LlamaConfig(**{**CFG.__dict__, "n_experts": 4, "top_k": 2})
+    model = sharded_on_meta(lambda: Llama(cfg), one_rank_mesh, lambda m: list(m.layers))
+    largest = materialized_measured(model)
+    assert_same_full_tensors(model, eager(lambda: Llama(cfg)))
+    experts = model.layers[0].moe.experts.w1
+    assert largest < experts.numel(), (largest, experts.shape)
+
+
+class ParentInitializesExperts(nn.Module):
+    """A root ``init_weights`` over another module's fused tensors, as Hugging Face's ``_init_weights`` does."""
+
+    def __init__(self, shape: tuple[int, int, int], initializers: list[str]) -> None:
+        super().__init__()
+        self.initializers = initializers
+        self.experts = nn.ModuleList([Holder(torch.empty(shape)) for _ in initializers])
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        for holder, name in zip(self.experts, self.initializers, strict=True):
+            FUSED_INITIALIZERS[name](holder.weight)
+
+
+class Holder(nn.Module):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(value)
+
+
+FUSED_INITIALIZERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "normal_": lambda t: nn.init.normal_(t, std=0.02),
+    "uniform_": lambda t: nn.init.uniform_(t, -0.1, 0.1),
+    "trunc_normal_": lambda t: nn.init.trunc_normal_(t, std=0.02),  # uniform_, erfinv_, mul_, add_, clamp_
+    "kaiming_uniform_": lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)),
+    "xavier_normal_": nn.init.xavier_normal_,  # fan_out counts the experts: the full shape's
+    "zeros_": nn.init.zeros_,
+    "constant_": lambda t: nn.init.constant_(t, 0.5),
+    "Tensor.normal_ through .data": lambda t: t.data.normal_(0.0, 0.02),
+    "Tensor.bernoulli_ with a float p": lambda t: t.data.bernoulli_(0.3),
+    # Last: refused (blocks would draw from that generator before falling back), so drawn at full size.
+    "normal_ with a generator of its own": lambda t: nn.init.normal_(t, generator=torch.Generator().manual_seed(1)),
+}
+
+
+@pytest.mark.parametrize("shape", [(6, 4, 4), (40, 3, 5), (3, 7, 5)])
+def test_initializers_on_fused_experts_equal_one_full_draw_in_blocks_and_fall_back_to_it_where_they_must(
+    one_rank_mesh: DeviceMesh, shape: tuple[int, int, int]
+) -> None:
+    """(6, 4, 4): one expert a block; (40, 3, 5): 16 experts, then 24 (the last 8 joined); (3, 7, 5): one block."""
+    names = list(FUSED_INITIALIZERS)
+    for initializers in (names, names[:-1]):
+
+        def build(initializers: list[str] = initializers) -> nn.Module:
+            return ParentInitializesExperts(shape, initializers)
+
+        model = sharded_on_meta(build, one_rank_mesh, lambda m: list(m.experts))
+        largest = materialized_measured(model)
+        assert_same_full_tensors(model, eager(build))
+        if initializers == names:  # the last initializer is drawn at full size
+            assert largest == math.prod(shape), largest
+        else:  # the others in blocks
+            assert largest == max(n for _, n in expert_blocks(shape[0], shape[1] * shape[2])) * shape[1] * shape[2]
+
+
+class OwnUnusualInit(nn.Module):
+    """A ``reset_parameters`` that writes its fused tensor in a way blocks cannot: it runs again at full size."""
+
+    def __init__(self, swallow: bool = False) -> None:
+        super().__init__()
+        self.swallow = swallow
+        self.weight = nn.Parameter(torch.empty(4, 4, 8))
+        self.bias = nn.Parameter(torch.empty(4))
+        self.calls = 0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.calls += 1
+        nn.init.normal_(self.bias)  # drawn before the refused op: drawn again from the same state
+        try:
+            with torch.no_grad():
+                self.weight.copy_(torch.randn(4, 4, 8))
+        except Exception:
+            if not self.swallow:
+                raise
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["raises", "swallows the refusal"])
+def test_a_hook_that_writes_a_fused_tensor_otherwise_runs_again_at_full_size_from_the_same_random_state(
+    one_rank_mesh: DeviceMesh, swallow: bool
+) -> None:
+    model = sharded_on_meta(lambda: OwnUnusualInit(swallow), one_rank_mesh, lambda m: [])
+    want = eager(lambda: OwnUnusualInit(swallow))
+    want_rng = torch.get_rng_state()
+    materialized_measured(model)
+    assert_same_full_tensors(model, want)
+    assert torch.equal(torch.get_rng_state(), want_rng)
+    assert model.calls == 3  # at construction (on meta), the refused run, then the full-size one
+
+
+def test_a_hugging_face_qwen3_moe_draws_its_fused_experts_in_blocks_with_the_values_of_one_process(
+    one_rank_mesh: DeviceMesh,
+) -> None:
+    """The one-process build here is the same meta model materialized unsharded (plain tensors, the same hooks in
+    the same order): eager construction draws each ``nn.Linear`` before ``post_init`` and so consumes more."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hf_tiny import TINY_SIZES
+
+    sizes = {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 8}
+    config = Qwen3MoeConfig(**{**TINY_SIZES, **sizes})
+    want = on_meta(lambda: Qwen3MoeForCausalLM(config))
+    torch.manual_seed(0)
+    materialize_module(want, CPU)
+    model = sharded_on_meta(lambda: Qwen3MoeForCausalLM(config), one_rank_mesh, lambda m: list(m.model.layers))
+    largest = materialized_measured(model)
+    assert_same_full_tensors(model, want)
+    gate_up = want.model.layers[0].mlp.experts.gate_up_proj  # [16, 48, 32]: 24576 elements, 1536 an expert
+    assert largest < gate_up.numel() // 4, (largest, tuple(gate_up.shape))  # the embedding (4096) is the largest
