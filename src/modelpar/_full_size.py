@@ -11,6 +11,10 @@ communicated. Two ways in:
 * :class:`FullSizeInit`, a torch-function mode active during every hook, performs each in-place ``nn.init.*_``
   call and random ``Tensor`` method (``normal_``, ``uniform_`` ...) on another module's DTensor at full size.
 
+A fused expert tensor (a 3-D DTensor ``[experts, rows, cols]`` on the CPU) is the exception in both: it gets a
+one-element stand-in whose ops :class:`~modelpar._expert_blocks.BlockDraw` performs a few experts at a time,
+with the values of one full draw, and falls back to the full size (from the same random state) where it cannot.
+
 Full-size buffers come from a :class:`Scratch` pool that lives for one materialization: the kernel faults in
 the pages of a fresh buffer on first touch, which (profiled at 2x2 on CPU) cost about as much as the draws
 themselves when every tensor got a new one.

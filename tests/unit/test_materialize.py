@@ -421,6 +421,11 @@ FUSED_INITIALIZERS: dict[str, Callable[[torch.Tensor], Any]] = {
     "constant_": lambda t: nn.init.constant_(t, 0.5),
     "Tensor.normal_ through .data": lambda t: t.data.normal_(0.0, 0.02),
     "Tensor.bernoulli_ with a float p": lambda t: t.data.bernoulli_(0.3),
+    "Tensor.exponential_": lambda t: t.data.exponential_(),
+    "Tensor.log_normal_": lambda t: t.data.log_normal_(),
+    "Tensor.cauchy_": lambda t: t.data.cauchy_(),
+    "Tensor.geometric_": lambda t: t.data.geometric_(0.3),
+    "Tensor.random_": lambda t: t.data.random_(0, 100),
     # Last: refused (blocks would draw from that generator before falling back), so drawn at full size.
     "normal_ with a generator of its own": lambda t: nn.init.normal_(t, generator=torch.Generator().manual_seed(1)),
 }
@@ -449,9 +454,9 @@ def test_initializers_on_fused_experts_equal_one_full_draw_in_blocks_and_fall_ba
 class OwnUnusualInit(nn.Module):
     """A ``reset_parameters`` that writes its fused tensor in a way blocks cannot: it runs again at full size."""
 
-    def __init__(self, swallow: bool = False) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.swallow = swallow
+        self.how = how
         self.weight = nn.Parameter(torch.empty(4, 4, 8))
         self.bias = nn.Parameter(torch.empty(4))
         self.calls = 0
@@ -460,20 +465,23 @@ class OwnUnusualInit(nn.Module):
     def reset_parameters(self) -> None:
         self.calls += 1
         nn.init.normal_(self.bias)  # drawn before the refused op: drawn again from the same state
+        if self.how == "orthogonal_":  # QR of a flattened copy
+            nn.init.orthogonal_(self.weight)
+            return
         try:
             with torch.no_grad():
                 self.weight.copy_(torch.randn(4, 4, 8))
         except Exception:
-            if not self.swallow:
+            if self.how != "swallows the refusal":
                 raise
 
 
-@pytest.mark.parametrize("swallow", [False, True], ids=["raises", "swallows the refusal"])
+@pytest.mark.parametrize("how", ["copy_", "swallows the refusal", "orthogonal_"])
 def test_a_hook_that_writes_a_fused_tensor_otherwise_runs_again_at_full_size_from_the_same_random_state(
-    one_rank_mesh: DeviceMesh, swallow: bool
+    one_rank_mesh: DeviceMesh, how: str
 ) -> None:
-    model = sharded_on_meta(lambda: OwnUnusualInit(swallow), one_rank_mesh, lambda m: [])
-    want = eager(lambda: OwnUnusualInit(swallow))
+    model = sharded_on_meta(lambda: OwnUnusualInit(how), one_rank_mesh, lambda m: [])
+    want = eager(lambda: OwnUnusualInit(how))
     want_rng = torch.get_rng_state()
     materialized_measured(model)
     assert_same_full_tensors(model, want)
