@@ -180,11 +180,13 @@ class FullSizeInit(TorchFunctionMode):
         try:
             call(stand)
         except NotBlockwise:
-            torch.set_rng_state(state)
-            return False
+            pass
         finally:
             self._blocks.remove(stand)
-        return not self._blocks.refused(stand)
+        if self._blocks.refused(stand):  # raised, or raised and caught by the initializer
+            torch.set_rng_state(state)
+            return False
+        return True
 
 
 def run_hook(
@@ -261,11 +263,10 @@ def _run_hook(
                     filled.append((original, stand))
         for data in block_drawn:
             blocks.remove(data)
-    if any(blocks.refused(data) for data in block_drawn):
-        return False  # the hook swallowed the refusal: run it again at full size
-    for original, stand in filled:  # reached only when the hook returned
+    refused = any(blocks.refused(data) for data in block_drawn)  # the hook caught the refusal: run it again
+    for original, stand in filled if not refused else ():  # reached only when the hook returned
         if merge_written(original.to_local(), _local_part(original, stand)):
             written.add(id(original))
     for data in drawn:
         scratch.give(data)
-    return True
+    return not refused
