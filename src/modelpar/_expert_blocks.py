@@ -4,7 +4,8 @@ A MoE layer's experts are often one fused parameter, ``[n_experts, rows, cols]``
 Face's ``gate_up_proj``): DeepSeek-V3's is 30 GB in fp32. :mod:`modelpar._full_size` initializes a sharded tensor
 by drawing it whole on a full-size buffer; for these it would hold the whole fused tensor on every rank. Instead
 such a tensor's initializer runs on a **stand-in** of the full shape backed by one element (an ``expand``), under
-:class:`BlockDraw`, a dispatch mode that performs each operation on it without ever building it:
+:class:`BlockDraw`, a torch-function mode (:class:`torch.overrides.TorchFunctionMode`, public) that performs
+each call on it without ever building it:
 
 * a random fill (``uniform_``, ``normal_``, ``bernoulli_`` with a float ``p`` ...) is drawn along dim 0 in blocks
   of whole experts, one reused buffer, in order; each rank copies the part of each block inside its shard;
@@ -15,6 +16,15 @@ such a tensor's initializer runs on a **stand-in** of the full shape backed by o
 Anything else (a copy from another tensor, a write through a view, a read of the values, orthogonal's QR, a
 random op with its own ``generator``) raises :class:`NotBlockwise` before it draws; the caller restores the
 CPU random state and draws that tensor at full size, as before.
+
+**What a torch-function mode sees.** Calls arrive before dispatch, as the ``Tensor`` methods and functions the
+initializer wrote (``Tensor.normal_``, ``Tensor.data.__get__``, ``Tensor.__imul__`` ...), so stand-ins and their
+views are told apart by storage address. A Python function that hands itself to the mode whole (its body runs
+with the mode off, unseen) can only be recognised: of ``nn.init``, ``uniform_``, ``normal_``, ``constant_`` and
+``kaiming_uniform_`` do so and are performed as the ``Tensor`` method each ends in (``kaiming_uniform_``'s bound
+computed as torch computes it); any other such function on a stand-in (a library's own, dispatching initializer)
+is refused, so that tensor is drawn at full size. ``nn.init``'s other functions are plain Python whose calls
+arrive one by one.
 
 **Why the values are one full draw's (CPU only).** The CPU generator (mt19937) hands out numbers in element
 order: every one of torch 2.13's CPU random fills above consumes them element by element, except ``normal_``,
@@ -34,43 +44,105 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode  # torch's home of dispatch modes (no public alias)
+from torch.overrides import TorchFunctionMode
 
 from modelpar._blocks import shard_block
 
 __all__ = ["BlockDraw", "NotBlockwise", "draws_in_blocks", "expert_blocks", "is_fused_experts", "stand_in"]
 
-aten = torch.ops.aten
-
-#: Random fills whose CPU draws, split along dim 0 into blocks of a multiple of 16 elements, equal one draw.
-_RANDOM = frozenset(
-    [aten.uniform_, aten.normal_, aten.exponential_, aten.log_normal_, aten.cauchy_, aten.geometric_, aten.random_]
+#: Random fills whose CPU draws, split along dim 0 into blocks of a multiple of 16 elements, equal one draw
+#: (``bernoulli_`` only with a float probability: a tensor of probabilities is a second operand).
+_RANDOM: frozenset[Callable[..., Any]] = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "uniform_",
+        "normal_",
+        "exponential_",
+        "log_normal_",
+        "cauchy_",
+        "geometric_",
+        "random_",
+        "bernoulli_",
+    )
 )
-#: ``bernoulli_`` only with a float probability (a tensor of probabilities is a second operand).
-_RANDOM_OVERLOADS = frozenset([aten.bernoulli_.float])
 #: In-place ops where each element depends on itself and scalars only: the same bits on the shard as on the whole.
-_ELEMENTWISE = frozenset(
-    [
-        aten.zero_,
-        aten.fill_,
-        aten.mul_,
-        aten.div_,
-        aten.add_,
-        aten.sub_,
-        aten.clamp_,
-        aten.clamp_min_,
-        aten.clamp_max_,
-        aten.erfinv_,
-        aten.neg_,
-        aten.abs_,
-        aten.exp_,
-        aten.sqrt_,
-        aten.pow_,
-    ]
+#: The in-place operators (``t *= 2``) arrive as themselves and run as the method they stand for.
+_ELEMENTWISE: dict[Callable[..., Any], Callable[..., Any]] = {
+    **{
+        getattr(torch.Tensor, name): getattr(torch.Tensor, name)
+        for name in (
+            "zero_",
+            "fill_",
+            "mul_",
+            "div_",
+            "add_",
+            "sub_",
+            "clamp_",
+            "clamp_min_",
+            "clamp_max_",
+            "erfinv_",
+            "neg_",
+            "abs_",
+            "exp_",
+            "sqrt_",
+            "pow_",
+        )
+    },
+    torch.Tensor.__imul__: torch.Tensor.mul_,
+    torch.Tensor.__itruediv__: torch.Tensor.div_,
+    torch.Tensor.__iadd__: torch.Tensor.add_,
+    torch.Tensor.__isub__: torch.Tensor.sub_,
+}
+#: Calls that make another view of a stand-in (the result must share its memory: ``reshape`` of an ``expand``
+#: or indexing with a list copies, which reads the values): harmless until the view is written or read.
+_VIEWS: frozenset[Callable[..., Any]] = frozenset(
+    getattr(torch.Tensor, name)
+    for name in ("detach", "__getitem__", "view", "view_as", "t", "transpose", "permute", "select", "narrow")
 )
-#: Ops that make another view of a stand-in: harmless until the view is written or read, which is refused.
-_VIEWS = frozenset([aten.detach, aten.alias, aten.select, aten.slice, aten.view, aten.t, aten.transpose, aten.permute])
+#: Reads of the metadata only (a property's ``__get__``, ``.data`` and ``.T`` included, passes too): the dispatch
+#: level never saw them; ``untyped_storage`` and ``data_ptr`` are how stand-ins are told apart.
+_METADATA: frozenset[Callable[..., Any]] = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "dim",
+        "size",
+        "numel",
+        "nelement",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "element_size",
+        "get_device",
+        "untyped_storage",
+        "data_ptr",
+        "requires_grad_",
+        "__len__",
+        "__hash__",
+    )
+)
+#: ``nn.init``'s functions that hand themselves to the mode whole (their inner calls are not seen), as the
+#: ``Tensor`` method they end in: ``(method, its positional scalars, generator)`` from their keyword arguments,
+#: which is how their own dispatch passes them (under the name of a library's wrapper, too: see
+#: :mod:`modelpar._full_size`).
+_WHOLE_INITIALIZERS: dict[str, tuple[frozenset[str], Callable[[dict[str, Any]], tuple[Any, tuple[Any, ...]]]]] = {
+    "uniform_": (
+        frozenset(["tensor", "a", "b", "generator"]),
+        lambda kw: (torch.Tensor.uniform_, (kw["a"], kw["b"])),
+    ),
+    "normal_": (
+        frozenset(["tensor", "mean", "std", "generator"]),
+        lambda kw: (torch.Tensor.normal_, (kw["mean"], kw["std"])),
+    ),
+    "constant_": (frozenset(["tensor", "val"]), lambda kw: (torch.Tensor.fill_, (kw["val"],))),
+    "kaiming_uniform_": (
+        frozenset(["tensor", "a", "mode", "nonlinearity", "generator"]),
+        lambda kw: (torch.Tensor.uniform_, _kaiming_bounds(kw)),
+    ),
+}
 
 
 class NotBlockwise(Exception):
@@ -121,7 +193,19 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class BlockDraw(TorchDispatchMode):
+def _kaiming_bounds(kwargs: dict[str, Any]) -> tuple[float, float]:
+    """``kaiming_uniform_``'s bounds for ``kwargs["tensor"]``, computed as ``torch.nn.init`` does (2.13)."""
+    shape, mode = kwargs["tensor"].shape, str(kwargs["mode"]).lower()
+    if len(shape) < 2 or mode not in ("fan_in", "fan_out"):
+        # torch raises its own error for these: at full size
+        raise NotBlockwise(f"kaiming_uniform_ of shape {tuple(shape)} with mode {mode!r}")
+    fan = (shape[1] if mode == "fan_in" else shape[0]) * math.prod(shape[2:])
+    std = nn.init.calculate_gain(kwargs["nonlinearity"], kwargs["a"]) / math.sqrt(fan)
+    bound = math.sqrt(3.0) * std  # in torch's order: the same float
+    return -bound, bound
+
+
+class BlockDraw(TorchFunctionMode):
     """Performs the ops on registered stand-ins on their DTensors' shards, drawing random fills in blocks.
 
     ``take``/``give`` lend and take back a block's buffer (a :class:`~modelpar._full_size.Scratch`'s). The ids of
@@ -162,9 +246,14 @@ class BlockDraw(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # a tensor without storage (another subclass)
             return None
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        # The mode is off while this runs (torch pops it), so ``func`` and the ops below do not come back here.
         kwargs = kwargs or {}
         hits = [t for t in _tensors(list(args)) + _tensors(list(kwargs.values())) if self._target_of(t) is not None]
         if not hits:
@@ -175,13 +264,26 @@ class BlockDraw(TorchDispatchMode):
             self._refused.update(t.untyped_storage().data_ptr() for t in hits)
             raise
 
-    def _perform(self, func: Any, hits: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        packet = func.overloadpacket
-        if packet in _VIEWS:
+    def _perform(
+        self, func: Callable[..., Any], hits: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        name = getattr(func, "__name__", None)
+        if func in _METADATA or name == "__get__":
+            return func(*args, **kwargs)
+        if func in _VIEWS:
             try:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             except RuntimeError as error:  # ``view`` of an ``expand``: the whole tensor would allow it
-                raise NotBlockwise(f"{func} of a fused expert tensor's stand-in") from error
+                raise NotBlockwise(f"{name} of a fused expert tensor's stand-in") from error
+            if any(self._target_of(t) is None for t in _tensors(out)):  # a copy (advanced indexing)
+                raise NotBlockwise(f"{name} of a fused expert tensor's stand-in copies it")
+            return out
+        whole = _WHOLE_INITIALIZERS.get(name or "")
+        if whole is not None and not args and set(kwargs) == whole[0]:
+            method, scalars = whole[1](kwargs)
+            generator = {"generator": kwargs["generator"]} if "generator" in kwargs else {}
+            with torch.no_grad():
+                return self._perform(method, hits, (kwargs["tensor"], *scalars), generator)
         first = args[0] if args else None
         found = self._target_of(first) if isinstance(first, torch.Tensor) else None
         others = _tensors(list(args[1:])) + _tensors(list(kwargs.values()))
@@ -193,22 +295,26 @@ class BlockDraw(TorchDispatchMode):
             != (found[0].shape, found[0].stride(), found[0].storage_offset())
             or any(t.ndim > 0 for t in others)
         ):  # not an op on exactly the whole stand-in with scalar operands
-            raise NotBlockwise(f"{func} on a fused expert tensor")
+            raise NotBlockwise(f"{name} on a fused expert tensor")
+        if torch.is_grad_enabled() and first.requires_grad:  # autograd refuses it: let the full size raise
+            raise NotBlockwise(f"in-place {name} on a leaf that requires grad")
         target = found[1]
-        if packet in _RANDOM or func in _RANDOM_OVERLOADS:
-            if kwargs.get("generator") is not None:
-                raise NotBlockwise(f"{func} with a generator of its own")
+        if func in _RANDOM:
+            if others:  # ``bernoulli_`` with a tensor of probabilities
+                raise NotBlockwise(f"{name} with a tensor operand")
+            if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+                raise NotBlockwise(f"{name} with a generator of its own")
             self._draw(func, target, args[1:], kwargs)
-        elif packet in _ELEMENTWISE:
+        elif func in _ELEMENTWISE:
             with torch.no_grad():
-                func(target.to_local(), *args[1:], **kwargs)
+                _ELEMENTWISE[func](target.to_local(), *args[1:], **kwargs)
         else:
-            raise NotBlockwise(f"{func} on a fused expert tensor")
-        if packet in _RANDOM or packet in (aten.zero_, aten.fill_) or func in _RANDOM_OVERLOADS:
+            raise NotBlockwise(f"{name} on a fused expert tensor")
+        if func in _RANDOM or _ELEMENTWISE.get(func) in (torch.Tensor.zero_, torch.Tensor.fill_):
             self._written.add(id(target))
         return first
 
-    def _draw(self, func: Any, target: DTensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _draw(self, func: Callable[..., Any], target: DTensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Draw ``target``'s full tensor block by block, in order; copy each block's part of this rank's shard."""
         block = shard_block(target)
         if block is None:

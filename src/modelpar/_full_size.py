@@ -77,7 +77,7 @@ class Scratch:
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         # The flat buffer behind each view lent out, by address: ``view._base`` is not set on views made while a
-        # dispatch mode (the expert blocks' draw) is active.
+        # dispatch mode (an allocation counter, ``CommDebugMode``) is active.
         self._lent: dict[int, torch.Tensor] = {}
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,8 @@ def _run_hook(
         swapped[name] = (t, stand_in_)
         setattr(module, name, stand_in_)
     try:
-        with FullSizeInit(scratch, written, blocks), blocks:
+        # ``blocks`` under ``FullSizeInit``: it sees what ``FullSizeInit`` passes on or runs on a stand-in.
+        with blocks, FullSizeInit(scratch, written, blocks):
             hook()
     finally:
         filled: list[tuple[DTensor, torch.Tensor]] = []
