@@ -33,8 +33,10 @@ the size is not a multiple of 16. So a block holds a multiple of 16 elements (``
 experts, at most 16) and the short remainder joins the last block: block by block, the stream is consumed
 exactly as by one draw, which is checked bit for bit in the tests. Element-wise ops give the same bits on any
 slice. CUDA's Philox generator derives each element from the launch's offset and the thread's index, so a
-block's draw is not the matching part of the full draw: on other device types :func:`draws_in_blocks` is
-``False`` and the tensor is drawn at full size, keeping the values of a one-process build.
+block's draw is not the matching part of the full draw (:func:`blocks_equal_one_draw` is ``False`` there). The
+tensor is drawn in blocks anyway: a full fused tensor can be tens of GB, and the issue this serves puts memory
+first. Every rank draws the same blocks in the same order, so the model is still one coherent model and the same
+on every layout; only its fused tensors' values differ from an eager one-process CUDA build.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from modelpar._blocks import shard_block
 
-__all__ = ["BlockDraw", "NotBlockwise", "draws_in_blocks", "expert_blocks", "is_fused_experts", "stand_in"]
+__all__ = ["BlockDraw", "NotBlockwise", "blocks_equal_one_draw", "expert_blocks", "is_fused_experts", "stand_in"]
 
 #: Random fills whose CPU draws, split along dim 0 into blocks of a multiple of 16 elements, equal one draw
 #: (``bernoulli_`` only with a float probability: a tensor of probabilities is a second operand).
@@ -149,25 +151,18 @@ class NotBlockwise(Exception):
     """An initializer did something to a fused tensor that cannot be performed block by block."""
 
 
-def draws_in_blocks(device: torch.device) -> bool:
+def blocks_equal_one_draw(device: torch.device) -> bool:
     """Whether random fills on ``device`` split along dim 0 into the values of one draw: the CPU generator only."""
     return device.type == "cpu"
 
 
 def is_fused_experts(t: torch.Tensor) -> bool:
-    """A sharded 3-D tensor ``[experts, rows, cols]`` on a device whose draws split, with a block this rank can cut.
+    """A sharded 3-D tensor ``[experts, rows, cols]`` with a block this rank can cut (on any device type).
 
     Fused expert weights are the 3-D parameters of the models we know (``GroupedExperts``, Hugging Face's experts
     folders); any other 3-D DTensor (a ``Conv1d`` weight) is drawn in blocks too, which gives the same values.
     """
-    return (
-        isinstance(t, DTensor)
-        and t.ndim == 3
-        and t.numel() > 0
-        and not t.is_meta
-        and draws_in_blocks(t.device)
-        and shard_block(t) is not None
-    )
+    return isinstance(t, DTensor) and t.ndim == 3 and t.numel() > 0 and not t.is_meta and shard_block(t) is not None
 
 
 def expert_blocks(n_experts: int, per_expert: int) -> list[tuple[int, int]]:

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modelpar._expert_blocks import draws_in_blocks, expert_blocks
+from modelpar._expert_blocks import blocks_equal_one_draw, expert_blocks, is_fused_experts
 from modelpar._materialize import materialize_module
 from modelpar.models import Llama, LlamaConfig
 from modelpar.models.moe import GroupedExperts
@@ -361,9 +361,16 @@ def test_expert_blocks_hold_a_multiple_of_16_elements_and_the_remainder_joins_th
 
 
 def test_only_the_cpu_generator_draws_blocks_with_the_values_of_one_draw() -> None:
-    assert draws_in_blocks(torch.device("cpu"))
+    assert blocks_equal_one_draw(torch.device("cpu"))
     # CUDA's Philox offsets a launch by the elements before it: a block is not the full draw's part.
-    assert not draws_in_blocks(torch.device("cuda", 0))
+    assert not blocks_equal_one_draw(torch.device("cuda", 0))
+
+
+def test_a_sharded_3d_tensor_is_drawn_in_blocks_and_others_whole(one_rank_mesh: DeviceMesh) -> None:
+    # The device type is not asked (CUDA draws in blocks too, coherent but not eager's values): GPU suite.
+    assert is_fused_experts(distribute_tensor(torch.zeros(4, 3, 5), one_rank_mesh, [Shard(0)]))
+    assert not is_fused_experts(distribute_tensor(torch.zeros(4, 3), one_rank_mesh, [Shard(0)]))  # 2-D: whole
+    assert not is_fused_experts(torch.zeros(4, 3, 5))  # not sharded: no stand-in needed
 
 
 class ExpertsAndHead(nn.Module):
