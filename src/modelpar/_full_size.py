@@ -11,7 +11,7 @@ communicated. Two ways in:
 * :class:`FullSizeInit`, a torch-function mode active during every hook, performs each in-place ``nn.init.*_``
   call and random ``Tensor`` method (``normal_``, ``uniform_`` ...) on another module's DTensor at full size.
 
-A fused expert tensor (a 3-D DTensor ``[experts, rows, cols]`` on the CPU) is the exception in both: it gets a
+A fused expert tensor (a 3-D DTensor ``[experts, rows, cols]``) is the exception in both: it gets a
 one-element stand-in whose ops :class:`~modelpar._expert_blocks.BlockDraw` performs a few experts at a time,
 with the values of one full draw, and falls back to the full size (from the same random state) where it cannot.
 
@@ -175,7 +175,7 @@ class FullSizeInit(TorchFunctionMode):
     def _in_blocks(self, call: Callable[[torch.Tensor], None], target: DTensor) -> bool:
         """Run ``call`` on a block-drawn stand-in of ``target``; ``False`` (random state restored) if refused."""
         stand = stand_in(target)
-        state = torch.get_rng_state()
+        restore = random_state(target.device)
         self._blocks.add(stand, target)
         try:
             call(stand)
@@ -184,9 +184,26 @@ class FullSizeInit(TorchFunctionMode):
         finally:
             self._blocks.remove(stand)
         if self._blocks.refused(stand):  # raised, or raised and caught by the initializer
-            torch.set_rng_state(state)
+            restore()
             return False
         return True
+
+
+def random_state(device: torch.device) -> Callable[[], None]:
+    """Capture the CPU random state and ``device``'s (CUDA: its generator); returns what puts them back.
+
+    A refused block draw may have drawn some blocks already, from either generator: the full-size run that
+    follows starts from where the block run started, on every rank alike.
+    """
+    cpu = torch.get_rng_state()
+    accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu)
+        if accelerator is not None:
+            torch.cuda.set_rng_state(accelerator, device)
+
+    return restore
 
 
 def run_hook(
@@ -203,19 +220,20 @@ def run_hook(
 
     A fused expert DTensor (:func:`~modelpar._expert_blocks.is_fused_experts`) gets a one-element stand-in that
     :class:`~modelpar._expert_blocks.BlockDraw` performs the hook's ops on, block by block. If the hook does
-    something with it that cannot be done so, the CPU random state is put back and the hook runs again with
-    full-size stand-ins (its Python side effects happen twice; its tensors get the values of one run).
+    something with it that cannot be done so, the random state (CPU, and the tensor's accelerator) is put back
+    and the hook runs again with full-size stand-ins (its Python side effects happen twice; its tensors get the
+    values of one run).
     """
     blocks = BlockDraw(scratch.take_shape, scratch.give, written)
     fused = tuple(name for name, t in own_tensors(module) if name not in keep and is_fused_experts(t))
     if fused:
-        state = torch.get_rng_state()
+        restore = random_state(getattr(module, fused[0]).device)
         try:
             if _run_hook(module, hook, keep, scratch, written, blocks, fused):
                 return
         except NotBlockwise:
             pass
-        torch.set_rng_state(state)
+        restore()
     _run_hook(module, hook, keep, scratch, written, blocks, ())
 
 

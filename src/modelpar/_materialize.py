@@ -28,16 +28,16 @@ the CPU every rank draws every full tensor, about what an eager one-process buil
 
 **Fused expert tensors are drawn in blocks** (:mod:`modelpar._expert_blocks`). A 3-D DTensor ``[experts, rows,
 cols]`` (a MoE layer's fused weights: 30 GB in fp32 for one of DeepSeek-V3's) never exists at full size: its
-initializer runs on a one-element stand-in of the full shape, random fills are drawn along dim 0 a few experts at
-a time (blocks of a multiple of 16 elements: 16 experts at most, one where an expert holds a multiple of 16
-elements) into one reused buffer, each rank keeping its part, and element-wise in-place ops with scalar operands
-run on the shard. The values are one full draw's, bit for bit, because the CPU generator consumes its stream
-element by element (``normal_`` 16 at a time), so only CPU draws are split: on CUDA (Philox: a block's draw is
-not the full draw's part) the tensor is drawn at full size as above, keeping the one-process values at the cost
-of one full-size buffer. An initializer that does anything else with the tensor (a copy from another tensor, a
-write through a view, orthogonal's QR, a random op with its own ``generator``) is refused before it draws: the
-CPU random state is put back and the tensor is drawn at full size (a module's own ``reset_parameters()`` then
-runs a second time, so its Python side effects happen twice).
+initializer runs on a one-element stand-in of the full shape, random fills are drawn along dim 0 a few experts at a
+time (blocks of a multiple of 16 elements: 16 experts at most, one where an expert holds a multiple of 16 elements)
+into one reused buffer, each rank keeping its part, and element-wise in-place ops with scalar operands run on the
+shard. The values are one full draw's, bit for bit, because the CPU generator consumes its stream element by element
+(``normal_`` 16 at a time). On CUDA (Philox: a block's draw is not the full draw's part) the blocks give one
+coherent model, the same on every layout, but not an eager CUDA build's values for these tensors (the exception to
+the guarantee above; ``cpu_offload`` initializes on the CPU, bit for bit). An initializer that does anything else
+with the tensor (a copy from another tensor, a write through a view, orthogonal's QR, a random op with its own
+``generator``) is refused before it draws: the random state is put back and the tensor is drawn at full size (a
+module's own ``reset_parameters()`` then runs a second time, so its Python side effects happen twice).
 
 **Unwritten tensors are named** (:mod:`modelpar._unwritten`). Allocated tensors and stand-ins are filled with
 a marker first; a stand-in's unwritten elements do not overwrite the shard, and whatever still holds the marker
