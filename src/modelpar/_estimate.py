@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from modelpar._activations import activation_bytes, check_sequence, decoder_shape, setting_label
 from modelpar._estimate_report import MemoryEstimate, dtype_name
-from modelpar._fsdp import FSDPOptions
+from modelpar._fsdp import FSDPOptions, fsdp_shard_dim
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
 from modelpar._mesh import MeshLayout, check_size_arg
 from modelpar._meta_models import hf_on_meta, llama_on_meta
@@ -171,13 +171,15 @@ def estimate_memory(
         unit, group = experts.get(module_name), shard
         if unit is not None:  # E / ep whole experts, FSDP over the ranks holding the same ones, their own unit
             rows, group = rows // layout.expert_parallel_size, layout.expert_shard_size
-        chunk = math.ceil(rows / group)
-        sharded += chunk * rest * storage.itemsize
-        optimizer_bytes += states * chunk * rest * storage.itemsize
+        # FSDP2's padded dim-0 chunks, or for fused experts fewer than the ranks an even cut of a later dim
+        even = fsdp_shard_dim((rows, *shape[1:]), group) > 0
+        per_rank = rows * rest // group if even else math.ceil(rows / group) * rest
+        sharded += per_rank * storage.itemsize
+        optimizer_bytes += states * per_rank * storage.itemsize
         unsharded_grads += rows * rest * reduce.itemsize
         unit = unit or _unit_of(module_name, units)
-        gathered[unit] = gathered.get(unit, 0) + chunk * group * rest * compute.itemsize
-        reduce_buffer[unit] = reduce_buffer.get(unit, 0) + chunk * group * rest * reduce.itemsize
+        gathered[unit] = gathered.get(unit, 0) + per_rank * group * compute.itemsize
+        reduce_buffer[unit] = reduce_buffer.get(unit, 0) + per_rank * group * reduce.itemsize
     largest = max(gathered, key=lambda u: gathered[u]) if gathered else ROOT
     unit_bytes = gathered.get(largest, 0)
     grads = unsharded_grads if gradient_accumulation == "unsharded" else sharded

@@ -16,6 +16,13 @@ Under the derived bf16 policy the outermost FSDP modules' floating-point outputs
 That is what FSDP2's ``MixedPrecisionPolicy(output_dtype=torch.float32)`` does, but only on the root:
 FSDP2 applies ``output_dtype`` in every unit that has it, so the policy ``fsdp_kwargs`` hands to every unit
 cannot carry it without casting each block's output to fp32 and the next block's input back to bf16.
+
+**Fused experts with fewer experts than shard ranks** (8 experts over 32 ranks) are sharded on another dim.
+FSDP2 cuts dim 0 into ``ceil(E / ranks)``-row chunks, so there each of the first ``E`` ranks would hold a whole
+expert and the others nothing (a Mixtral-sized layer: 84.75 GiB per rank instead of about 22). A 3-D parameter
+with fewer rows on dim 0 than shard ranks is sharded on its first later dim that divides evenly (FSDP2 shards
+dims above 0 only evenly) through ``fully_shard``'s ``shard_placement_fn`` (:func:`fsdp_shard_dim`). Every other
+parameter keeps FSDP2's ``Shard(0)``.
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
 
 from modelpar._mesh import fsdp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDPOptions", "cast_root_outputs", "fsdp_kwargs", "handed_out", "register_mesh"]
+__all__ = ["FSDPOptions", "cast_root_outputs", "fsdp_kwargs", "fsdp_shard_dim", "handed_out", "register_mesh"]
 
 #: The mixed-precision policy ``"bf16-mixed"`` implies: bf16 parameters, all-gathers and compute (half the
 #: traffic and no autocast weight copies outside FSDP's resharding), fp32 gradient reduction (accurate sums).
@@ -198,6 +206,8 @@ def fsdp_kwargs(device_mesh: DeviceMesh, **overrides: Any) -> dict[str, Any]:
         fully_shard(model, **fsdp_kwargs(device_mesh))
 
     ``mesh`` is the 2-D ``(replicate, shard)`` mesh under HSDP and the ``"data_parallel"`` axis otherwise;
+    ``shard_placement_fn`` shards fused experts with fewer experts than shard ranks on another dim
+    (:func:`fsdp_shard_dim`);
     ``mp_policy``, ``offload_policy`` and ``reshard_after_forward`` come from the strategy's arguments and
     precision. ``overrides`` replace any of them for this call (``reshard_after_forward=False`` for the
     root, say). A mesh from no strategy gets FSDP2's defaults.
@@ -205,8 +215,33 @@ def fsdp_kwargs(device_mesh: DeviceMesh, **overrides: Any) -> dict[str, Any]:
     record = _record(device_mesh)
     options = record.options if record is not None else FSDPOptions()
     kwargs = {"mesh": fsdp_mesh(device_mesh), **options.kwargs(), **overrides}
+    kwargs.setdefault("shard_placement_fn", _ShardDim(kwargs["mesh"].size(kwargs["mesh"].ndim - 1)))
     if record is not None:
         record.handed_out.append(
             FSDPOptions(kwargs["mp_policy"], kwargs["offload_policy"], kwargs["reshard_after_forward"])
         )
     return kwargs
+
+
+def fsdp_shard_dim(shape: tuple[int, ...] | torch.Size, shard_size: int) -> int:
+    """The dim FSDP shards a parameter of ``shape`` on over ``shard_size`` ranks (see the module docstring).
+
+    0, except for a 3-D tensor (fused experts ``[E, rows, cols]``) with fewer than ``shard_size`` rows on dim 0
+    and a later dim that ``shard_size`` divides: that dim. The memory estimate counts with the same rule.
+    """
+    if len(shape) != 3 or shape[0] >= shard_size:
+        return 0
+    return next((dim for dim in (1, 2) if shape[dim] % shard_size == 0), 0)
+
+
+class _ShardDim:
+    """``fully_shard``'s ``shard_placement_fn``: :func:`fsdp_shard_dim` over the mesh's shard ranks."""
+
+    def __init__(self, shard_size: int) -> None:
+        self.shard_size = shard_size
+
+    def __call__(self, param: nn.Parameter) -> Shard | None:
+        # FSDP2 cuts the local tensor of a DTensor (tensor- or expert-parallel): its rows are what each rank chunks.
+        local = param.to_local() if isinstance(param, DTensor) else param
+        dim = fsdp_shard_dim(local.shape, self.shard_size)
+        return Shard(dim) if dim else None

@@ -399,9 +399,12 @@ def test_moe_families_split_whole_experts_over_tensor_parallel_and_expert_axes_a
     for r in results:
         for name, mesh in meshes.items():
             assert r[name]["mesh"] == mesh, name
-            if name != "gpt_oss_ep2":  # its one local expert is FSDP-sharded over 2 ranks: 1 row and a padded 0
-                assert r[name]["experts_local"][0] == local_experts.get(name, 1), name
+            assert r[name]["experts_local"][0] == local_experts.get(name, 1), name
             assert r[name]["losses"][-1] < r[name]["losses"][0], name
+        # Fewer experts than shard ranks: sharded evenly on a later dim, not in padded dim-0 chunks (before: GPT-OSS's
+        # one local expert at EP=2 lay whole on one of its 2 FSDP ranks, [1, 64, 32] and [0, 64, 32]).
+        assert r["gpt_oss_ep2"]["experts_local"] == [1, 32, 32]  # down_proj [E, I, H]: I over 2 ranks
+        assert r["gpt_oss_4x1"]["experts_local"] == [2, 16, 32]  # 2 experts over 4 ranks
 
 
 def test_tensor_parallel_experts_cost_one_all_reduce_forward_and_two_backward(results):

@@ -79,3 +79,14 @@ def test_only_the_derived_bf16_policy_casts_the_root_outputs_to_fp32():
     assert resolve(precision="bf16-mixed", mixed_precision=mine).root_output_dtype is None  # used as given
     for precision in ("32-true", "bf16-true", "16-true"):
         assert resolve(precision=precision).root_output_dtype is None
+
+
+def test_fused_experts_fewer_than_the_shard_ranks_are_sharded_evenly_on_a_later_dim() -> None:
+    from modelpar._fsdp import fsdp_shard_dim
+
+    assert fsdp_shard_dim((8, 28672, 4096), 32) == 1  # Mixtral's gate_up over 32 ranks: not 8 whole experts
+    assert fsdp_shard_dim((8, 4096, 14336), 32) == 1
+    assert fsdp_shard_dim((8, 4095, 14336), 32) == 2  # the first later dim that divides
+    assert fsdp_shard_dim((8, 4095, 14335), 32) == 0  # none divides: FSDP2's padded dim-0 chunks
+    assert fsdp_shard_dim((64, 512, 512), 32) == 0  # enough experts: dim 0, as FSDP2 does
+    assert fsdp_shard_dim((8, 4096), 32) == 0  # not fused experts

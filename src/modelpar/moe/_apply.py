@@ -111,7 +111,7 @@ def parallelize_experts(module: nn.Module, device_mesh: DeviceMesh, **fsdp_overr
         else:
             shard_over(experts, ep_mesh)
         shard_mesh = expert_fsdp_mesh(device_mesh)
-        fully_shard(experts, **{**fsdp_kwargs(device_mesh, **fsdp_overrides), "mesh": shard_mesh})
+        fully_shard(experts, **fsdp_kwargs(device_mesh, **{**fsdp_overrides, "mesh": shard_mesh}))
         assert isinstance(experts, FSDPModule)  # fully_shard changed its class; not user-facing
         experts.set_gradient_divide_factor(float(token_ranks(device_mesh)))
         if sum_reduction_needed(str(dist.get_backend(ep_mesh.get_group())), shard_mesh.size(shard_mesh.ndim - 1)):
