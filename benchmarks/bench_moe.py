@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_train_step import timed  # median seconds per call on the slowest rank (the benchmarks' one timer)
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import ModelParallelStrategy as LightningStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -38,21 +38,6 @@ def batch(step: int, cfg: LlamaConfig, args: Any, device: torch.device) -> tuple
     per = args.batch // dist.get_world_size()
     rows = tokens[dist.get_rank() * per : (dist.get_rank() + 1) * per].to(device)
     return rows[:, :-1], rows[:, 1:]
-
-
-def timed(fn: Callable[[], Any], steps: int, warmup: int = 2) -> float:
-    """Median seconds per call on the slowest rank."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst)
 
 
 def train_step(model: Any, optimizer: Any, backward: Callable[[Any], None], cfg: LlamaConfig, args: Any) -> Any:
