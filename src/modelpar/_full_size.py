@@ -36,7 +36,7 @@ from modelpar._blocks import local_view
 from modelpar._expert_blocks import BlockDraw, NotBlockwise, is_fused_experts, stand_in
 from modelpar._unwritten import mark_unwritten, merge_written
 
-__all__ = ["FullSizeInit", "Scratch", "own_tensors", "run_hook"]
+__all__ = ["FullSizeInit", "Scratch", "device_rng", "own_tensors", "random_state", "run_hook"]
 
 _RANDOM_TENSOR_METHODS = (
     "normal_",
@@ -189,19 +189,29 @@ class FullSizeInit(TorchFunctionMode):
         return True
 
 
+def device_rng(device: torch.device) -> Any:
+    """The module of ``device``'s random state (``torch.cuda`` ...), or None for the CPU or if it has none."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    has_state = callable(getattr(backend, "get_rng_state", None)) and callable(getattr(backend, "set_rng_state", None))
+    return backend if has_state else None
+
+
 def random_state(device: torch.device) -> Callable[[], None]:
-    """Capture the CPU random state and ``device``'s (CUDA: its generator); returns what puts them back.
+    """Capture the CPU random state and ``device``'s (:func:`device_rng`); returns what puts them back.
 
     A refused block draw may have drawn some blocks already, from either generator: the full-size run that
     follows starts from where the block run started, on every rank alike.
     """
     cpu = torch.get_rng_state()
-    accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    backend = device_rng(device)
+    accelerator = backend.get_rng_state(device) if backend is not None else None
 
     def restore() -> None:
         torch.set_rng_state(cpu)
-        if accelerator is not None:
-            torch.cuda.set_rng_state(accelerator, device)
+        if backend is not None:
+            backend.set_rng_state(accelerator, device)
 
     return restore
 

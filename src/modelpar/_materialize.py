@@ -83,7 +83,7 @@ from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from modelpar._full_size import Scratch, own_tensors, run_hook
+from modelpar._full_size import Scratch, device_rng, own_tensors, run_hook
 from modelpar._unwritten import mark_unwritten, unwritten_mask
 
 __all__ = ["has_meta_tensors", "materialize_module"]
@@ -173,22 +173,13 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
                 setattr(owner, name, shared)
 
 
-def _device_rng(device: torch.device) -> Any:
-    """The module of ``device``'s random state (``torch.cuda`` ...), or None for the CPU or if it has none."""
-    if device.type == "cpu":
-        return None
-    backend = getattr(torch, device.type, None)
-    has_state = callable(getattr(backend, "get_rng_state", None)) and callable(getattr(backend, "set_rng_state", None))
-    return backend if has_state else None
-
-
 @contextmanager
 def _ranks_agree_on_rng(device: torch.device) -> Iterator[None]:
     """Make every rank draw the same numbers: as they are if the ranks agree, else rank 0's, in a fork."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         yield
         return
-    backend = _device_rng(device)
+    backend = device_rng(device)
     states = [torch.get_rng_state()] + ([backend.get_rng_state(device)] if backend is not None else [])
     digest = hashlib.sha256(b"".join(s.cpu().numpy().tobytes() for s in states)).hexdigest()
     digests: list[Any] = [None] * dist.get_world_size()
