@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
+from modelpar._applied import check_context_parallel_applied, check_expert_parallel_applied
 from modelpar._clip import clip_grad_norm, clip_grad_value
 from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
 from modelpar._fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
@@ -280,8 +281,9 @@ class ParallelCore:
                 )
             module = result  # type: ignore[assignment]
         offloading = self._check_fsdp_applied(module)
-        self._check_context_parallel_applied(module)
-        self._check_expert_parallel_applied(module)
+        if self.layout is not None:
+            check_context_parallel_applied(module, self.layout)
+            check_expert_parallel_applied(module, self.layout)
         offload = offloads(
             offloading, root_device=root_device, has_meta=has_meta_tensors(module), strategy_name=self.strategy_name
         )
@@ -351,51 +353,6 @@ class ParallelCore:
                 " `**modelpar.fsdp_kwargs(device_mesh)` to `fully_shard` for FSDP2's bf16 policy instead."
             )
         return [isinstance(o.offload_policy, CPUOffloadPolicy) for o in given]
-
-    def _check_context_parallel_applied(self, module: nn.Module) -> None:
-        """Under context parallelism, some attention must run across the sequence shards, or results are wrong.
-
-        Each rank holds a shard of every sequence; an attention left as it was would attend within the shard
-        only, train without an error and learn the wrong thing. A ``modelpar.plans`` plan swaps the kernel in;
-        a hand-written ``parallelize_fn`` must do it too (``modelpar.context.ContextParallelAttention``).
-        """
-        layout = self.layout
-        if layout is None or layout.context_parallel_size == 1:
-            return
-        from modelpar.context import ContextParallelAttention
-
-        if not any(isinstance(v, ContextParallelAttention) for m in module.modules() for v in vars(m).values()):
-            raise ValueError(
-                f"Context parallelism was asked for (`context_parallel_size={layout.context_parallel_size}`), but no"
-                " attention of the model runs across the sequence shards after `parallelize_fn`: each rank would"
-                " attend within its own shard only. Use a `modelpar.plans` plan (LLAMA_PLAN, `modelpar.hf.plan_for`),"
-                " which replaces the kernel, or in your `parallelize_fn` set each attention module's kernel to"
-                " `modelpar.context.ContextParallelAttention(device_mesh)` (Hugging Face models:"
-                " `modelpar.context.use_context_parallel_attention(model, device_mesh)`)."
-            )
-
-    def _check_expert_parallel_applied(self, module: nn.Module) -> None:
-        """Under expert parallelism, some expert weights must be split over the expert axis.
-
-        Otherwise every rank of the expert axis keeps all experts (the layout's memory saving is gone) while the
-        strategy's mesh and any estimate say they are split; a plan names its MoE modules (``experts=``), a
-        hand-written ``parallelize_fn`` calls ``modelpar.moe.parallelize_experts``.
-        """
-        layout = self.layout
-        if layout is None or layout.expert_parallel_size == 1:
-            return
-        if not any(
-            isinstance(p, DTensor) and EXPERT_PARALLEL_AXIS in (p.device_mesh.mesh_dim_names or ())
-            for p in module.parameters()
-        ):
-            raise ValueError(
-                f"Expert parallelism was asked for (`expert_parallel_size={layout.expert_parallel_size}`), but no"
-                " parameter of the model is split over the expert axis after `parallelize_fn`: every rank would keep"
-                " every expert. Use a plan that names the MoE modules (`modelpar.plans.LLAMA_MOE_PLAN`,"
-                " `ParallelPlan(experts=('layers.*.moe',), ...)`), or call"
-                " `modelpar.moe.parallelize_experts(moe_module, device_mesh)` in your `parallelize_fn` before"
-                " `fully_shard`; or set `expert_parallel_size=1`."
-            )
 
     def _warn_if_unsharded(self, module: nn.Module) -> None:
         if self.device_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
