@@ -91,7 +91,7 @@ FAMILIES: dict[str, Any] = {
 
 
 def tiny_gpt_oss() -> Any:
-    """GPT-OSS, whose Hugging Face tensor-parallel plan (transformers 5.23) covers only its LM head."""
+    """GPT-OSS, whose Hugging Face tensor-parallel plan splits no decoder layer (only the LM head, and from 5.24 the embedding)."""
     rope = {
         "rope_type": "yarn",
         "factor": 1.0,
@@ -526,22 +526,33 @@ def test_plan_for_head_counts_are_checked_before_anything_is_sharded():
         plan_for(model).check(model, 2)
 
 
-def test_plan_for_a_model_whose_hugging_face_plan_covers_only_the_lm_head_is_refused_with_tensor_parallelism():
+def test_plan_for_a_model_whose_hugging_face_plan_shards_no_decoder_layer_is_refused_with_tensor_parallelism():
+    """GPT-OSS's Hugging Face plan splits no decoder layer (5.23: only ``lm_head``; 5.24 adds ``embed_tokens``):
+    what holds is the behaviour, whatever the class plan lists outside the layers."""
     model = _meta_model(tiny_gpt_oss())
     plan = plan_for(model)
-    assert dict(plan.tensor_parallel) == {"lm_head": "output"} and plan.fsdp_units == ("model.layers.*",)
+    assert plan.tensor_parallel.get("lm_head") == "output" and plan.fsdp_units == ("model.layers.*",)
+    assert not [name for name in plan.tensor_parallel if name.startswith("model.layers.")]
     plan.check(model, 1)  # FSDP alone replicates nothing: fine
     with pytest.raises(ValueError) as err:
         plan.check(model, 2)
-    assert str(err.value) == (
-        "tensor_parallel_size=2, but the plan for GptOssForCausalLM shards only 'lm_head' across the tensor-parallel"
-        " ranks and no decoder layer ('model.layers.*'): every layer would be replicated on each of the 2 ranks, so"
-        " memory per rank grows with the tensor-parallel size instead of shrinking. The model's own Hugging Face"
-        " tensor-parallel plan, which `modelpar.hf.plan_for` reads, covers no decoder layer either"
-        " (`config.base_model_tp_plan`: {}, `GptOssForCausalLM._tp_plan`: {'lm_head': 'colwise_gather_output'})."
+    covered = ", ".join(map(repr, sorted(plan.tensor_parallel)))
+    message = str(err.value)
+    assert message.startswith(
+        f"tensor_parallel_size=2, but the plan for GptOssForCausalLM shards only {covered} across the"
+        " tensor-parallel ranks and no decoder layer ('model.layers.*'): every layer would be replicated on each of"
+        " the 2 ranks, so memory per rank grows with the tensor-parallel size instead of shrinking."
+    ), message
+    if not model.config.base_model_tp_plan:  # then the message shows where the plan came from
+        assert (
+            " The model's own Hugging Face tensor-parallel plan, which `modelpar.hf.plan_for` reads, covers no decoder"
+            f" layer either (`config.base_model_tp_plan`: {{}}, `GptOssForCausalLM._tp_plan`:"
+            f" {type(model)._tp_plan})." in message
+        ), message
+    assert message.endswith(
         " Use `tensor_parallel_size=1` (FSDP over all ranks), or write a `modelpar.plans.ParallelPlan` whose"
         " `tensor_parallel` splits the layers' projections (e.g. {'model.layers.*.self_attn.q_proj': 'colwise',"
         " 'model.layers.*.self_attn.o_proj': 'rowwise', ...})."
-    )
+    ), message
     # A hand-written plan that splits the attention projections of the same model is accepted.
     plan.replace(tensor_parallel={**plan.tensor_parallel, "model.layers.*.self_attn.q_proj": "colwise"}).check(model, 2)

@@ -5,7 +5,9 @@ The checks run on meta-device models, as they do on every rank before anything i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 import re
 from types import SimpleNamespace
 
@@ -320,3 +322,110 @@ def test_checkpointed_hugging_face_layers_do_not_write_their_kv_cache_twice(mode
         torch.testing.assert_close(q.grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
     with torch.no_grad():  # generation without gradients keeps its cache
         assert checked(tokens, use_cache=True).past_key_values.get_seq_length() == 12
+
+
+def _tiny_hf_llama_layer():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return transformers, config, model
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("passed_as", ["current keyword", "past_key_values keyword", "positional"])
+def test_checkpointed_hugging_face_layer_never_writes_a_cache_given_under_any_name(mode, passed_as):
+    """transformers 5.24 renamed the layers' ``past_key_values`` to ``cache`` (the old name still accepted): the
+    cache is found by its type, whether the layer gets it under the installed release's name, the deprecated one
+    or positionally, so this holds on both sides of the rename. Gradients equal the plain layer's without a cache,
+    and the cache stays empty."""
+    transformers, config, model = _tiny_hf_llama_layer()
+    layer = model.model.layers[0]
+    plain = copy.deepcopy(layer)
+    checkpoint_module(layer, mode)
+    params = list(inspect.signature(type(layer).forward).parameters)
+    current = "cache" if "cache" in params else "past_key_values"  # 5.24 and later / 5.23 and earlier
+    hidden = torch.randn(2, 12, 32)
+    position_ids = torch.arange(12).expand(2, -1)
+    position_embeddings = model.model.rotary_emb(hidden, position_ids)
+    common = {"position_ids": position_ids, "position_embeddings": position_embeddings, "use_cache": True}
+    cache = transformers.DynamicCache(config=config)
+    if passed_as == "positional":
+        assert params.index(current) == 4  # self, hidden_states, attention_mask, position_ids, cache
+        call = lambda m, x, c: m(x, None, position_ids, c, True, position_embeddings=position_embeddings)  # noqa: E731
+    else:
+        keyword = current if passed_as == "current keyword" else "past_key_values"
+        call = lambda m, x, c: m(x, **common, **{keyword: c})  # noqa: E731
+    x_plain, x_checked = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    out_plain = call(plain, x_plain, None)
+    out_checked = call(layer, x_checked, cache)
+    torch.testing.assert_close(out_checked, out_plain)
+    out_plain.square().sum().backward()
+    out_checked.square().sum().backward()
+    torch.testing.assert_close(x_checked.grad, x_plain.grad)
+    for (name, p), q in zip(plain.named_parameters(), layer.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m, n=name: f"{n}: {m}")
+    assert cache.get_seq_length() == 0
+    with torch.no_grad():  # without gradients the cache is the caller's to fill
+        call(layer, hidden, cache)
+    assert cache.get_seq_length() == 12
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_drops_a_hugging_face_cache_under_an_argument_name_of_its_own(mode):
+    """A module of the user's that takes a transformers ``Cache`` under a name nobody told us about."""
+    transformers, config, _ = _tiny_hf_llama_layer()
+
+    class Appends(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, memo: object = None) -> torch.Tensor:
+            k = self.proj(x).view(1, 2, 4, 4)  # (batch, kv heads, seq, head dim)
+            if memo is not None:
+                k, _ = memo.update(k, k, layer_idx=0)
+            return F.softmax(k, dim=-1).sum()
+
+    module = Appends()
+    checkpoint_module(module, mode)
+    cache = transformers.DynamicCache(config=config)
+    module(torch.randn(4, 8), memo=cache).backward()
+    assert cache.get_seq_length() == 0 and module.proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_keeps_the_cache_of_a_layer_transformers_marks_as_only_reading_it(mode):
+    """transformers marks layers that read a cache without writing it ``_can_checkpoint_with_cache``: the
+    recomputation reads the same states, so the cache stays (dropping it would change the layer's output)."""
+    transformers, config, _ = _tiny_hf_llama_layer()
+
+    class Reads(nn.Module):
+        _can_checkpoint_with_cache = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, cache: object = None, use_cache: bool = False) -> torch.Tensor:
+            assert not use_cache
+            keys = cache.layers[0].keys  # (batch, kv heads, seq, head dim), read only
+            return (self.proj(x) @ keys[0, 0].T).sum()
+
+    cache = transformers.DynamicCache(config=config)
+    cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), layer_idx=0)
+    plain, module = Reads(), Reads()
+    module.load_state_dict(plain.state_dict())
+    checkpoint_module(module, mode)
+    x = torch.randn(5, 4)
+    plain(x, cache=cache).backward()
+    module(x, cache=cache, use_cache=True).backward()
+    torch.testing.assert_close(module.proj.weight.grad, plain.proj.weight.grad)
+    assert cache.get_seq_length() == 3
