@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Run what scripts/test.sh runs (ruff, mypy, pytest) against another torch and/or Lightning, in a venv of its
-# own under .venv-compat/<name> (git-ignored; .venv is left alone). Extra arguments go to pytest.
+# Run what scripts/test.sh runs (ruff, mypy, pytest) against another torch, Lightning or any other release, or
+# against the newest releases of everything, in a venv of its own under .venv-compat/<name> (git-ignored; .venv
+# is left alone). Extra arguments go to pytest.
 #
+#   bash scripts/test-against.sh --latest                       # before a change lands: today's releases, no lock
 #   TORCH_SPEC=torch==2.14.1 bash scripts/test-against.sh
 #   LIGHTNING_SPEC=2.6.1 bash scripts/test-against.sh -x          # torch stays at the default pin
+#   PINS='transformers==5.17.0' bash scripts/test-against.sh     # the hf extra's floor
 #   TORCH_SPEC=torch==2.12.0 LIGHTNING_SPEC='~=2.5.0' bash scripts/test-against.sh
 #
-# TORCH_SPEC: a pip requirement for torch (default torch==2.13.0, the CPU build on the local disk); other
+# Without --latest the venv installs from the lock (requirements/ci.txt, what CI tests) but for what is named
+# here. --latest installs without the lock and upgrades every package but torch to its newest release on each
+# run, so that a break in a new release is seen the day it is published, not by a user (or by CI, which the lock
+# keeps green): run it before each change lands, and update the lock with scripts/lock.sh once it passes.
+# PINS: pip requirements (space-separated) installed last, like LIGHTNING_SPEC, with torch held.
+#
+# TORCH_SPEC: a pip requirement for torch (default: the lock's, the CPU build on the local disk); other
 # releases come from PyPI as CUDA builds (several GB with their nvidia-* dependencies; they run on CPU).
 # LIGHTNING_SPEC: a version ("2.6.1") or a specifier ("~=2.5.0") for lightning-fabric, pytorch-lightning and,
 # when the dev extra installed it, lightning. It is installed after modelpar, so it may go below the floors in
@@ -15,17 +24,27 @@
 # A venv is reused by the next run with the same specs; remove it with rm -r .venv-compat/<name>.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+LATEST=""
+if [ "${1:-}" = "--latest" ]; then
+  LATEST=1
+  shift
+fi
+TORCH_SPEC=${TORCH_SPEC:-$(grep -E '^torch==' requirements/ci.txt | head -n 1)}
 LIGHTNING_SPEC=${LIGHTNING_SPEC:-}
+PINS=${PINS:-}
 if [[ -n "$LIGHTNING_SPEC" && "$LIGHTNING_SPEC" =~ ^[0-9] ]]; then
   LIGHTNING_SPEC="==$LIGHTNING_SPEC"
 fi
-default_name="$TORCH_SPEC${LIGHTNING_SPEC:+_lightning$LIGHTNING_SPEC}"
+default_name="$TORCH_SPEC${LIGHTNING_SPEC:+_lightning$LIGHTNING_SPEC}${PINS:+_$PINS}${LATEST:+_latest}"
 NAME=${COMPAT_NAME:-$(printf '%s' "$default_name" | sed -E 's/==/-/g; s/[^A-Za-z0-9.+-]+/_/g')}
 VENV=.venv-compat/$NAME
 mkdir -p .venv-compat
 
-VENV="$VENV" TORCH_SPEC="$TORCH_SPEC" EXTRAS=dev,trainer bash scripts/setup-env.sh || exit
+if [ -n "$LATEST" ]; then
+  VENV="$VENV" TORCH_SPEC="$TORCH_SPEC" LOCK= UPGRADE=1 EXTRAS=dev,trainer bash scripts/setup-env.sh || exit
+else
+  VENV="$VENV" TORCH_SPEC="$TORCH_SPEC" EXTRAS=dev,trainer bash scripts/setup-env.sh || exit
+fi
 py="$VENV/bin/python"
 if ! "$py" - "$TORCH_SPEC" <<'EOF'; then
 import sys
@@ -51,12 +70,17 @@ if [ -n "$LIGHTNING_SPEC" ]; then
   torch_pin="torch==$("$py" -c 'import torch; print(torch.__version__)')"  # never let Lightning move torch
   "$py" -m pip --disable-pip-version-check -q install "${lightning_pins[@]}" "$torch_pin" || exit
 fi
+if [ -n "$PINS" ]; then
+  read -r -a pins <<<"$PINS"
+  "$py" -m pip --disable-pip-version-check -q install "${pins[@]}" \
+    "torch==$("$py" -c 'import torch; print(torch.__version__)')" || exit
+fi
 "$py" - "$VENV" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 found = []
-for name in ("torch", "lightning-fabric", "pytorch-lightning", "lightning"):
+for name in ("torch", "lightning-fabric", "pytorch-lightning", "lightning", "transformers", "safetensors"):
     try:
         found.append(f"{name} {version(name)}")
     except PackageNotFoundError:
