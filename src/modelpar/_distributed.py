@@ -33,6 +33,7 @@ from lightning_fabric.plugins.environments import (
 from typing_extensions import override
 
 from modelpar._errors import UnsupportedReduceOpError
+from modelpar._groups import binds_device
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -77,8 +78,8 @@ def init_process_group(
     os.environ["MASTER_ADDR"] = cluster_environment.main_address
     os.environ["MASTER_PORT"] = str(cluster_environment.main_port)
     kwargs: dict[str, Any] = {}
-    if device.type == "cuda":
-        kwargs["device_id"] = device  # binds NCCL eagerly to the right GPU
+    if binds_device(backend, device.type):
+        kwargs["device_id"] = device  # NCCL only: a bound gloo group could not build the mesh (binds_device says why)
     prefix = restart_store_prefix(os.environ)
     if prefix is not None:  # the same store as the attempt before: its keys go under this attempt's name
         store = dist.TCPStore(

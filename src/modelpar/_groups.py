@@ -2,7 +2,8 @@
 
 ``init_device_mesh`` takes a group's timeout only through backend options, and reads none back through a public
 API; these helpers build those options, read a group's timeout, and decide when an axis over every rank can be the
-default group itself (:meth:`modelpar._mesh.MeshLayout.build` uses all three).
+default group itself (:meth:`modelpar._mesh.MeshLayout.build` uses all three). :func:`binds_device` decides whether
+the default group is bound to a device, which decides how ``init_device_mesh`` creates the axes' groups.
 """
 
 from __future__ import annotations
@@ -10,7 +11,27 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["group_options", "group_timeout", "world_group_reusable"]
+__all__ = ["binds_device", "group_options", "group_timeout", "world_group_reusable"]
+
+
+def binds_device(backend: str, device_type: str) -> bool:
+    """Whether the default group is created bound to the rank's device (``device_id``): only for NCCL on CUDA.
+
+    Binding creates NCCL's communicator eagerly on the right GPU, and ``init_device_mesh`` then splits it for each
+    axis (one ``ncclCommSplit`` per axis instead of one group per sub-mesh). A bound gloo group sends
+    ``init_device_mesh`` down that same split path, which gloo cannot take (torch 2.11: "No device(s) specified";
+    with no override, the deep copy of gloo's options fails), so ranks sharing one GPU over gloo could build no
+    mesh. Unbound, each axis is a ``new_group`` that takes the strategy's timeout from the options.
+
+    ``backend`` is what ``init_process_group`` is given: a name (``"nccl"``, ``"gloo"``) or a per-device list
+    (``"cpu:gloo,cuda:nccl"``), in which the CUDA entry decides.
+    """
+    if device_type != "cuda":
+        return False
+    by_device = [part.split(":", 1) for part in backend.lower().replace(" ", "").split(",") if part]
+    names = [entry[1] for entry in by_device if len(entry) == 2 and entry[0] == "cuda"]
+    names += [entry[0] for entry in by_device if len(entry) == 1]
+    return names[:1] == ["nccl"]
 
 
 def world_group_reusable(

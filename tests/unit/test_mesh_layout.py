@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 
 from modelpar import MeshLayout, MeshSizeError
-from modelpar._groups import world_group_reusable
+from modelpar._groups import binds_device, world_group_reusable
 
 
 def resolve(dp, tp, world=4, nodes=1, per_node=4):
@@ -133,6 +133,28 @@ def test_an_axis_over_all_ranks_reuses_the_default_group_only_when_it_communicat
         cuda_available=cuda,
     )
     assert got is reusable
+
+
+@pytest.mark.parametrize(
+    ("backend", "device_type", "bound"),
+    [
+        ("nccl", "cuda", True),  # NCCL's communicator on the right GPU, split per axis
+        ("NCCL", "cuda", True),
+        (
+            "gloo",
+            "cuda",
+            False,
+        ),  # ranks sharing one GPU over gloo: a bound group sends the mesh down a split gloo lacks
+        ("cpu:gloo,cuda:nccl", "cuda", True),  # the CUDA entry decides
+        ("cpu:gloo,cuda:gloo", "cuda", False),
+        ("cpu:gloo", "cuda", False),
+        ("nccl", "cpu", False),  # nothing to bind on the CPU
+        ("gloo", "cpu", False),
+        ("mpi", "cuda", False),
+    ],
+)
+def test_the_default_group_is_bound_to_the_device_only_for_nccl_on_cuda(backend, device_type, bound):
+    assert binds_device(backend, device_type) is bound
 
 
 def resolve_cp(dp, tp, cp, world=8, nodes=1, per_node=8, replicate=1):
