@@ -7,7 +7,11 @@
 # interpreter (default python3). modelpar runs from this checkout (PYTHONPATH=src), so nothing is built.
 # Missing test dependencies are installed with pip when an index is reachable; otherwise it says which.
 # GPU_CHECK_SKIP_MFU=1 leaves out the benchmark; extra arguments go to pytest (e.g. -k offload).
+# It ends with a one-screen summary (tests/gpu/gpu_summary.py), also written to $GPU_CHECK_OUT/summary.txt:
+# counts per test file, each failure's error line, each skip's reason, the probe's findings, the benchmark's
+# summary lines, the environment and the wall time. Meant to take under 5 minutes on one H100/H200.
 set -uo pipefail
+started=$SECONDS
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${GPU_CHECK_OUT:-gpu-check-results}
@@ -46,22 +50,40 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map
       f" {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}")
 for name in ("lightning_fabric", "pytorch_lightning", "transformers", "safetensors"):
     print(name, getattr(importlib.import_module(name), "__version__", "?"))
-major, minor = (int(v) for v in torch.__version__.split(".")[:2])
-if (major, minor) < (2, 13):
-    print(f"NOTE: torch {torch.__version__} is below modelpar's floor (2.13): failures may be torch's, not ours")
+import re
+found = re.search(r'"torch>=(\d+)\.(\d+)', open("pyproject.toml").read())  # the floor is pyproject.toml's
+floor = (int(found[1]), int(found[2])) if found else (0, 0)
+if tuple(int(v) for v in torch.__version__.split(".")[:2]) < floor:
+    print(f"NOTE: torch {torch.__version__} is below modelpar's floor ({floor[0]}.{floor[1]}):"
+          " failures may be torch's, not ours")
 EOF
 } 2>&1 | tee "$OUT/environment.txt"
 
 echo "== tests/gpu ==" | tee "$OUT/pytest.log"
-"$PYTHON" -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider --timeout 3600 \
+rm -f "$OUT/junit.xml"  # the summary must not read an earlier run's results
+pytest_started=$SECONDS
+# --timeout: per test, past the spawns' own deadlines (600 s); it only ends a hang the harness missed.
+"$PYTHON" -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider --timeout 900 \
   --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee -a "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
+pytest_status=$status
+pytest_seconds=$((SECONDS - pytest_started))
 grep -h "^\[gpu-suite\]" "$OUT/pytest.log" > "$OUT/figures.txt" || true
 
+bench_args=()
 if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ]; then
   echo "== benchmarks/bench_mfu.py ==" | tee "$OUT/bench_mfu.txt"
-  "$PYTHON" benchmarks/bench_mfu.py 2>&1 | tee -a "$OUT/bench_mfu.txt" || status=1
+  bench_started=$SECONDS
+  "$PYTHON" benchmarks/bench_mfu.py 2>&1 | tee -a "$OUT/bench_mfu.txt"
+  bench_status=${PIPESTATUS[0]}
+  [ "$bench_status" -eq 0 ] || status=1
+  bench_args=(--bench-exit "$bench_status" --bench-seconds "$((SECONDS - bench_started))")
 fi
 
-echo "gpu-check: pytest exit $status; results in $OUT/ (environment.txt, pytest.log, figures.txt, junit.xml, bench_mfu.txt)"
+echo
+if ! "$PYTHON" tests/gpu/gpu_summary.py "$OUT" --exit "$status" --pytest-exit "$pytest_status" \
+    --pytest-seconds "$pytest_seconds" ${bench_args[@]+"${bench_args[@]}"} --wall-seconds "$((SECONDS - started))"; then
+  echo "gpu-check: the summary could not be written (above); exit $status; results in $OUT/" \
+    "(environment.txt, pytest.log, figures.txt, junit.xml, bench_mfu.txt)"
+fi
 exit "$status"

@@ -2,11 +2,13 @@
 
 NCCL refuses two ranks on one GPU, so these ranks talk over gloo while their tensors live on ``cuda:0``
 (every rank's root device; the standalone strategy is given the devices, the environment and the backend).
-First each spawn probes which collectives gloo runs on CUDA tensors (printed by the suite); a case that needs
-one it cannot run is skipped with that reason. Checked against one-process CUDA builds: each rank's shard
-after meta-device init (2x1, 1x2, 2x2, HSDP 2x2x1), training, CPU offload, clipping, full-file streaming
-(``torch.cuda.max_memory_allocated`` per rank), async distributed saves resharded on load, and ``compile``
-with tensor parallelism.
+Each spawn first probes, with torch alone, what gloo runs on CUDA tensors (``torch_probe``: printed by the
+suite), then hands over to the strategy, which creates its own process group and mesh (a case of its own). A
+case that needs a call torch could not make is skipped with that call and its error; everything else that
+fails is a failure. Checked against one-process CUDA builds: each rank's shard after meta-device init (2x1,
+1x2, 2x2, HSDP 2x2x1), training, CPU offload, clipping, full-file streaming (``torch.cuda.max_memory_allocated``
+per rank), async distributed saves resharded on load, and ``compile`` with tensor parallelism. Two more cases
+check the suite itself: modelpar's set-up made to raise is reported as a failure, never a skip.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_common import SkipCase, check, device, full, max_abs_diff, on_cuda, reference, run_cases
+import torch_probe
+from gpu_common import check, device, full, max_abs_diff, needs, on_cuda, reference, run_cases
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
@@ -35,11 +38,16 @@ STEPS = 3
 ATOL = 2e-5
 
 
+def _world() -> int:
+    """The launcher's world size: known before any group exists, so no case depends on an earlier one's group."""
+    return int(os.environ["WORLD_SIZE"])
+
+
 def _strategy(dp: int, tp: int, plan: Any = parallelize_llama, **kwargs: Any) -> ModelParallelStrategy:
     from lightning_fabric.accelerators import CPUAccelerator, CUDAAccelerator
     from lightning_fabric.plugins.environments import LightningEnvironment
 
-    world = int(os.environ["WORLD_SIZE"])
+    world = _world()
     strategy = ModelParallelStrategy(
         plan,
         dp,
@@ -89,58 +97,45 @@ def _train_like_reference(strategy: ModelParallelStrategy, model: nn.Module, ref
     return max(max_abs_diff(_full(p), refs[n]) for n, p in model.named_parameters())
 
 
-_SUPPORT: dict[str, str] = {}
-
-
-def _needs(*collectives: str) -> None:
-    missing = [c for c in collectives if _SUPPORT.get(c) != "ok"]
-    if on_cuda() and missing:
-        raise SkipCase(
-            f"gloo cannot run {', '.join(missing)} on CUDA tensors in torch {torch.__version__}"
-            f" ({'; '.join(f'{c}: {_SUPPORT.get(c)}' for c in missing)}); the CPU suite covers this logic"
-        )
-
-
 # ---------------------------------------------------------------------------------------------------
 # cases (inside every rank)
 # ---------------------------------------------------------------------------------------------------
 def case_gloo_cuda_collectives() -> dict[str, Any]:
-    """Which collectives gloo runs on this device's tensors (figures only; the other cases consult them)."""
-    if not dist.is_initialized():
-        _strategy(int(os.environ["WORLD_SIZE"]), 1)  # creates the process group
-    ws, dev = dist.get_world_size(), device()
-    x = torch.ones(8 * ws, device=dev)
-    probes = {
-        "all_reduce": lambda: dist.all_reduce(x.clone()),
-        "broadcast": lambda: dist.broadcast(x.clone(), 0),
-        "all_gather": lambda: dist.all_gather([torch.empty_like(x) for _ in range(ws)], x),
-        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(8 * ws * ws, device=dev), x),
-        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(8, device=dev), x.clone()),
-        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(x), x),
-        "bf16_all_reduce": lambda: dist.all_reduce(x.to(torch.bfloat16)),
-        "bf16_reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
-            torch.empty(8, device=dev, dtype=torch.bfloat16), x.to(torch.bfloat16)
-        ),
-        "barrier": lambda: dist.barrier(),
+    """What torch alone runs over gloo on this device's tensors (``torch_probe``); then the strategy takes over.
+
+    Fails only if the probe itself could not run (a suite bug); each outcome, good or bad, is a figure.
+    """
+    try:
+        outcomes = torch_probe.probe(device(), PG_TIMEOUT)
+    finally:
+        torch_probe.hand_over()
+    return {
+        "torch": torch.__version__,
+        "device": str(device()),
+        "ranks": _world(),
+        **{name: record["error"] or "ok" for name, record in outcomes.items()},
     }
-    for name, probe in probes.items():
-        try:
-            probe()
-            if on_cuda():
-                torch.cuda.synchronize()
-            _SUPPORT[name] = "ok"
-        except Exception as error:  # a collective gloo lacks raises the same on every rank
-            _SUPPORT[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    return {"torch": torch.__version__, **_SUPPORT}
+
+
+def case_strategy_sets_up_its_process_group_and_mesh() -> dict[str, Any]:
+    """The strategy's own group and mesh on the shared device: the step every other case starts with."""
+    needs()
+    strategy = _strategy(_world(), 1)
+    mesh = strategy.device_mesh
+    return {
+        "backend": dist.get_backend(),
+        "mesh": dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True)),
+        "device_type": mesh.device_type,
+    }
 
 
 def _layouts() -> list[tuple[int, int, int]]:
     """(replicate, dp, tp) per world size: plain FSDP, TP, FSDP x TP, and HSDP on 4 ranks."""
-    return {2: [(1, 2, 1), (1, 1, 2)], 4: [(1, 2, 2), (2, 4, 1)]}[dist.get_world_size()]
+    return {2: [(1, 2, 1), (1, 1, 2)], 4: [(1, 2, 2), (2, 4, 1)]}[_world()]
 
 
 def case_meta_init_shards_equal_the_one_process_cuda_build() -> dict[str, Any]:
-    _needs("all_reduce")  # the ranks' random-state digests are exchanged as objects
+    needs("all_reduce")  # the ranks' random-state digests are exchanged as objects
     ref = _reference()
     checked = {}
     for replicate, dp, tp in _layouts():
@@ -159,7 +154,7 @@ def case_meta_init_shards_equal_the_one_process_cuda_build() -> dict[str, Any]:
 
 
 def case_training_matches_the_one_process_cuda_model() -> dict[str, Any]:
-    _needs("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")
+    needs("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")
     figures = {}
     for replicate, dp, tp in _layouts():
         strategy = _strategy(dp, tp, data_parallel_replicate_size=replicate)
@@ -170,8 +165,8 @@ def case_training_matches_the_one_process_cuda_model() -> dict[str, Any]:
 
 
 def case_cpu_offload_standalone_with_meta_init() -> dict[str, Any]:
-    _needs("reduce_scatter_tensor", "all_gather_into_tensor")
-    strategy = _strategy(dist.get_world_size(), 1, cpu_offload=True)
+    needs("reduce_scatter_tensor", "all_gather_into_tensor")
+    strategy = _strategy(_world(), 1, cpu_offload=True)
     model = _sharded(strategy)
     assert all(p.device.type == "cpu" and p.to_local().device.type == "cpu" for p in model.parameters())
     worst = _train_like_reference(strategy, model, _reference(built_on_cpu=True))
@@ -180,7 +175,7 @@ def case_cpu_offload_standalone_with_meta_init() -> dict[str, Any]:
 
 
 def case_clipping_matches_torch() -> dict[str, Any]:
-    _needs("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")
+    needs("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")
     figures = {}
     for replicate, dp, tp in _layouts():
         strategy = _strategy(dp, tp, data_parallel_replicate_size=replicate)
@@ -206,10 +201,10 @@ def _shared_tmp() -> Path:
 
 
 def case_full_file_streams_into_shards_with_little_gpu_memory() -> dict[str, Any]:
-    _needs("all_gather_into_tensor")
-    ws = dist.get_world_size()
-    root = _shared_tmp()
+    needs("all_gather_into_tensor")
+    ws = _world()
     saver = _strategy(ws, 1, save_distributed_checkpoint=False)
+    root = _shared_tmp()
     source = _sharded(saver, BIG)
     saver.save_checkpoint(root / "full.ckpt", {"model": source})
     loader = _strategy(ws, 1)
@@ -232,10 +227,10 @@ def case_full_file_streams_into_shards_with_little_gpu_memory() -> dict[str, Any
 
 
 def case_async_distributed_save_reshards_on_load() -> dict[str, Any]:
-    _needs("all_gather_into_tensor", "reduce_scatter_tensor")
-    ws = dist.get_world_size()
-    root = _shared_tmp()
+    needs("all_gather_into_tensor", "reduce_scatter_tensor")
+    ws = _world()
     saver = _strategy(ws, 1, async_save=True)
+    root = _shared_tmp()
     model = _sharded(saver)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for i, (x, y) in enumerate(global_batches(2)):
@@ -256,8 +251,8 @@ def case_async_distributed_save_reshards_on_load() -> dict[str, Any]:
 
 
 def case_compile_with_tensor_parallel() -> dict[str, Any]:
-    _needs("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-    ws = dist.get_world_size()
+    needs("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    ws = _world()
     strategy = _strategy(1, ws, plan=LLAMA_PLAN.replace(compile=True))
     model, ref = _sharded(strategy), _reference()
     worst = 0.0
@@ -271,8 +266,38 @@ def case_compile_with_tensor_parallel() -> dict[str, Any]:
     return {"loss_diff": worst}
 
 
+def case_self_check_torch_error_inside_the_mesh_build() -> dict[str, Any]:
+    """Issue 25 on purpose: torch raises inside modelpar's mesh build, as torch 2.11's ``split_group`` did there.
+
+    Expected to fail (the test asserts the report): the error surfaces through modelpar's frames, and the suite
+    must report it as a failure with its traceback, however much it looks like a gloo limit.
+    """
+    needs("all_reduce")
+    import torch.distributed.device_mesh as device_mesh
+
+    real = device_mesh.init_device_mesh
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("No device(s) specified (raised on purpose by the GPU suite's self-check)")
+
+    device_mesh.init_device_mesh = refuse  # type: ignore[assignment]
+    try:
+        _strategy(1, _world())  # a new strategy builds its mesh
+    finally:
+        device_mesh.init_device_mesh = real  # type: ignore[assignment]
+    return {"unexpected": "the mesh build did not raise"}
+
+
+def case_self_check_mesh_that_does_not_fit_the_world() -> dict[str, Any]:
+    """modelpar's own validation raising in set-up (sizes whose product is not the world): expected to fail."""
+    needs("all_reduce")
+    _strategy(_world() + 1, 1)
+    return {"unexpected": "the strategy accepted a mesh larger than the world"}
+
+
 CASES = {
     "gloo_cuda_collectives": case_gloo_cuda_collectives,
+    "strategy_setup": case_strategy_sets_up_its_process_group_and_mesh,
     "meta_init_shards": case_meta_init_shards_equal_the_one_process_cuda_build,
     "training": case_training_matches_the_one_process_cuda_model,
     "offload_standalone": case_cpu_offload_standalone_with_meta_init,
@@ -280,8 +305,11 @@ CASES = {
     "stream_full_file": case_full_file_streams_into_shards_with_little_gpu_memory,
     "async_reshard": case_async_distributed_save_reshards_on_load,
     "compile_tp": case_compile_with_tensor_parallel,
+    # the suite's own checks, last: they leave nothing behind, but a case that fails on purpose goes after the rest
+    "self_check_mesh_build_raises": case_self_check_torch_error_inside_the_mesh_build,
+    "self_check_mesh_does_not_fit": case_self_check_mesh_that_does_not_fit_the_world,
 }
-FOUR_RANK_CASES = ["gloo_cuda_collectives", "meta_init_shards", "training", "clipping"]
+FOUR_RANK_CASES = ["gloo_cuda_collectives", "strategy_setup", "meta_init_shards", "training", "clipping"]
 
 
 def grid(names: list[str] | None) -> dict[str, Any]:
@@ -291,17 +319,27 @@ def grid(names: list[str] | None) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two() -> list[dict[str, Any]]:
-    return run_distributed(grid, 2, None, timeout=1200)
+    return run_distributed(grid, 2, None, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def four() -> list[dict[str, Any]]:
-    return run_distributed(grid, 4, FOUR_RANK_CASES, timeout=1200)
+    return run_distributed(grid, 4, FOUR_RANK_CASES, timeout=600)
 
 
-def test_gloo_collectives_on_cuda_tensors_are_reported(two: list[dict[str, Any]]) -> None:
-    figures = check(two, "gloo_cuda_collectives")
-    assert figures["all_reduce"] == "ok", figures  # everything multi-rank below needs at least this
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_probe_records_what_torch_alone_runs_over_gloo_on_the_device(world: int, request: Any) -> None:
+    figures = check(request.getfixturevalue({2: "two", 4: "four"}[world]), "gloo_cuda_collectives")
+    outcomes = {k: v for k, v in figures.items() if k not in ("torch", "device", "ranks")}
+    assert outcomes.keys() == set(torch_probe.names()), outcomes
+    if not on_cuda():  # gloo runs all of these on CPU tensors: a failure in the self-check is the probe's own bug
+        assert all(v == "ok" for v in outcomes.values()), outcomes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_strategy_creates_its_own_process_group_and_mesh_on_the_shared_device(world: int, request: Any) -> None:
+    figures = check(request.getfixturevalue({2: "two", 4: "four"}[world]), "strategy_setup")
+    assert figures["backend"] == "gloo" and figures["device_type"] == device().type, figures
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -333,3 +371,30 @@ def test_async_distributed_saves_reshard_on_load(two: list[dict[str, Any]]) -> N
 
 def test_compile_with_tensor_parallel_matches_the_one_process_loss(two: list[dict[str, Any]]) -> None:
     check(two, "compile_tp")
+
+
+def _assert_reported_as_a_failure(results: list[dict[str, Any]], name: str, error: str) -> None:
+    """Every rank's result is a failure with its traceback through modelpar, and ``check`` raises, not skips."""
+    for rank, result in enumerate(r[name] for r in results):
+        assert result["ok"] is False, f"rank {rank}: {result}"
+        assert result["error"].startswith("Traceback (most recent call last):"), result["error"]
+        assert os.path.join("modelpar", "_mesh.py") in result["error"], result["error"]
+        assert error in result["error"], result["error"]
+    try:
+        check(results, name)
+    except AssertionError as reported:
+        assert error in str(reported).splitlines()[0], str(reported)[:500]
+    except pytest.skip.Exception as skipped:
+        pytest.fail(f"a failure inside modelpar's set-up was reported as a skip: {skipped}")
+    else:
+        pytest.fail("a failure inside modelpar's set-up was reported as a pass")
+
+
+def test_a_torch_error_inside_modelpars_mesh_build_is_reported_as_a_failure_not_a_skip(
+    two: list[dict[str, Any]],
+) -> None:
+    _assert_reported_as_a_failure(two, "self_check_mesh_build_raises", "RuntimeError: No device(s) specified")
+
+
+def test_a_mesh_that_does_not_fit_the_world_is_reported_as_a_failure_not_a_skip(two: list[dict[str, Any]]) -> None:
+    _assert_reported_as_a_failure(two, "self_check_mesh_does_not_fit", "MeshSizeError: `data_parallel_size=3`")

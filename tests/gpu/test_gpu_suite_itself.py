@@ -1,0 +1,184 @@
+"""The suite's own rules, in this process (milliseconds, no spawn): skips that cannot lie, and the summary.
+
+The GPU run of 2026-11-26 (issue 25) skipped ten tests as "gloo cannot run all_reduce on CUDA tensors" when
+modelpar's mesh build had raised: the probe went through modelpar's set-up, failed, left no record, and every
+case read the missing record as a gloo limit. These tests hold the rules that rule that out; the spawned half
+(modelpar's set-up made to raise in a rank) is in ``test_gpu_shared_device``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from pathlib import Path
+from typing import Any
+
+import gpu_summary
+import pytest
+import torch_probe
+from gpu_common import SkipCase, _modelpar_root, check, needs, run_cases
+
+_HERE = Path(__file__).parent
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_probe_imports_no_modelpar_code() -> None:
+    for path in (_HERE / "torch_probe.py", _HERE.parent / "harness.py"):
+        imported = _imports(path)
+        ours = {name for name in imported if name.split(".")[0] in ("modelpar", "gpu_common", "parity")}
+        assert not ours, f"{path.name} imports {sorted(ours)}: the probe must run torch alone"
+
+
+def test_a_case_needing_a_call_the_probe_never_recorded_fails_instead_of_skipping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch_probe, "PROBED", {})
+    result = run_cases({"case": lambda: needs("all_reduce")})["case"]
+    assert result["ok"] is False, result
+    assert "recorded nothing" in result["error"], result["error"]
+
+
+def test_a_skip_names_the_torch_call_that_failed_and_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    call = "dist.all_reduce(float32 a cuda tensor)"
+    monkeypatch.setattr(
+        torch_probe,
+        "PROBED",
+        {"init_process_group": {"call": "init", "error": None}, "all_reduce": {"call": call, "error": "E: no"}},
+    )
+    result = run_cases({"case": lambda: needs("all_reduce")})["case"]
+    assert result["ok"] is None, result
+    assert call in result["skip"] and "E: no" in result["skip"], result["skip"]
+    with pytest.raises(pytest.skip.Exception, match="E: no"):
+        check([{"case": result}], "case")
+
+
+def test_a_case_cannot_skip_on_what_the_probe_records_for_information_only() -> None:
+    result = run_cases({"case": lambda: needs("init_device_mesh")})["case"]
+    assert result["ok"] is False and "information only" in result["error"], result
+
+
+def _skip_while_handling(chained: bool) -> dict[str, Any]:
+    try:
+        raise ValueError("the mesh build raised")
+    except ValueError as error:
+        if chained:
+            raise SkipCase("looks like a gloo limit") from error
+        raise SkipCase("looks like a gloo limit") from None
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["from_error", "from_none"])
+def test_a_skip_raised_while_handling_an_exception_is_reported_as_that_failure(chained: bool) -> None:
+    results = [run_cases({"case": lambda: _skip_while_handling(chained)})]
+    assert results[0]["case"]["ok"] is False, results
+    with pytest.raises(AssertionError) as reported:
+        check(results, "case")
+    first = str(reported.value).splitlines()[0]
+    assert "while handling ValueError: the mesh build raised" in first, first
+
+
+def test_a_skip_raised_from_inside_modelpars_code_is_reported_as_a_failure() -> None:
+    root = _modelpar_root()
+    assert root is not None, "modelpar is not importable here"
+    namespace: dict[str, Any] = {"SkipCase": SkipCase}
+    # A function whose code says it lives in modelpar, as a plan callback raising inside setup_module would.
+    exec(
+        compile("def inside():\n    raise SkipCase('from modelpar')\n", os.path.join(root, "_x.py"), "exec"), namespace
+    )
+    result = run_cases({"case": namespace["inside"]})["case"]
+    assert result["ok"] is False and "inside modelpar's code" in result["cause"], result
+
+
+def test_a_failed_case_reports_its_own_error_on_the_first_line() -> None:
+    tb = (
+        "Traceback (most recent call last):\n"
+        '  File "src/modelpar/_mesh.py", line 379, in build\n'
+        "    mesh = init_device_mesh(...)\n"
+        "RuntimeError: No device(s) specified\n"
+    )
+    results = [{"case": {"ok": False, "error": tb}}, {"case": {"ok": False, "error": tb}}]
+    with pytest.raises(AssertionError) as reported:
+        check(results, "case")
+    first = str(reported.value).splitlines()[0]
+    assert (
+        first == "case case failed on 2 of 2 rank(s): RuntimeError: No device(s) specified (rank 0; tracebacks below)"
+    )
+
+
+_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="tests.gpu.test_gpu_one_process" name="test_mesh" time="30.5"/>
+<testcase classname="tests.gpu.test_gpu_one_process" name="test_hf" time="0.1">
+  <skipped type="pytest.skip" message="transformers is not installed">skip</skipped></testcase>
+<testcase classname="tests.gpu.test_gpu_shared_device" name="test_training[2]" time="40.0">
+  <failure message="AssertionError: case training failed on 2 of 2 rank(s): RuntimeError: boom (rank 0)
+--- rank 0 ---">E   AssertionError: case training failed</failure></testcase>
+<testcase classname="tests.gpu.test_gpu_shared_device" name="test_clipping[4]" time="12.0">
+  <error message="failed on setup with &quot;AssertionError: 1 of 4 ranks failed:">E   AssertionError: 1 of 4 ranks failed:
+E   --- rank 2 ---
+E   Traceback (most recent call last):
+E     File "tests/harness.py", line 52, in _worker
+E   OSError: [Errno 98] Address already in use</error></testcase>
+<testcase classname="tests.gpu.test_gpu_shared_device" name="test_compile" time="2.0">
+  <skipped type="pytest.skip" message="torch alone could not run dist.all_reduce: E: no">s</skipped></testcase>
+</testsuite></testsuites>
+"""
+
+
+def _summary(tmp_path: Path, *, junit: bool = True, bench: bool = True) -> list[str]:
+    if junit:
+        (tmp_path / "junit.xml").write_text(_JUNIT)
+    (tmp_path / "pytest.log").write_text("== 1 failed, 1 passed in 80.1s ==\n")
+    (tmp_path / "environment.txt").write_text(
+        "== environment (2026-11-26T10:46Z, commit f42665c) ==\nNVIDIA H200, 143771 MiB, 580.159.04\n"
+        "torch 2.11.0+cu130, CUDA 13.0, NCCL 2.28.9, 1 GPU(s): NVIDIA H200\nlightning_fabric 2.6.6\n"
+        "transformers 5.17.0\nNOTE: torch 2.11.0+cu130 is below modelpar's floor (2.13)\n"
+    )
+    (tmp_path / "figures.txt").write_text(
+        "[gpu-suite] gloo_cuda_collectives: {'torch': '2.11', 'device': 'cuda:0', 'ranks': 2,"
+        " 'init_process_group': 'ok', 'all_reduce': 'ok', 'all_to_all_single': 'RuntimeError: nope'}\n"
+    )
+    if bench:
+        (tmp_path / "bench_mfu.txt").write_text(
+            "== benchmarks/bench_mfu.py ==\n[rank0]:W1126 noise\nmodelpar: 65900 tokens/s\n\n| variant | tokens/s |\n"
+        )
+    args = argparse.Namespace(
+        exit=1, pytest_exit=1, pytest_seconds=85.0, bench_exit=0 if bench else None, bench_seconds=46.0,
+        wall_seconds=140.0,
+    )  # fmt: skip
+    return gpu_summary.render(tmp_path, args)
+
+
+def test_the_summary_counts_each_file_and_names_each_failure_skip_probe_and_benchmark_line(tmp_path: Path) -> None:
+    text = "\n".join(_summary(tmp_path))
+    assert "environment: NVIDIA H200, 143771 MiB, 580.159.04 | torch 2.11.0+cu130" in text, text
+    assert "lightning_fabric 2.6.6, transformers 5.17.0 | 2026-11-26T10:46Z, commit f42665c" in text, text
+    assert "NOTE: torch 2.11.0+cu130 is below" in text
+    assert "tests/gpu/test_gpu_one_process.py    1 passed, 0 failed, 1 skipped (31 s)" in text, text
+    assert "tests/gpu/test_gpu_shared_device.py  0 passed, 2 failed, 1 skipped (54 s)" in text, text
+    assert (
+        "test_gpu_shared_device.py::test_training[2]: AssertionError: case training failed on 2 of 2 rank(s):" in text
+    )
+    assert "test_gpu_shared_device.py::test_clipping[4]: failed on setup with" in text, text
+    assert "OSError: [Errno 98] Address already in use" in text, text
+    assert "test_gpu_one_process.py::test_hf: transformers is not installed" in text, text
+    assert "test_gpu_shared_device.py::test_compile: torch alone could not run dist.all_reduce: E: no" in text
+    assert "2 ranks on cuda:0, torch 2.11: 2 of 3 ok; all_to_all_single: RuntimeError: nope" in text, text
+    assert "  modelpar: 65900 tokens/s\n  | variant | tokens/s |" in text and "noise" not in text, text
+    assert "wall time: 2 min 20 s (pytest 85 s, benchmark 46 s)" in text, text
+    assert text.splitlines()[-1].startswith("gpu-check: exit 1; results in "), text
+
+
+def test_the_summary_says_what_is_missing_rather_than_nothing(tmp_path: Path) -> None:
+    text = "\n".join(_summary(tmp_path, junit=False, bench=False))
+    assert "tests: no readable junit.xml" in text and "== 1 failed, 1 passed in 80.1s ==" in text, text
+    assert "benchmark: left out (GPU_CHECK_SKIP_MFU=1)" in text, text

@@ -1,0 +1,170 @@
+"""What torch alone can do over gloo on the suite's device: the record every skip in the shared-device cases rests on.
+
+The probe runs first in each spawn, before any modelpar code, and imports none (``test_gpu_suite_itself`` reads
+this module's imports): it creates the default process group itself, as a user's script would, from the
+launcher variables the harness sets (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``; ``gloo``, no
+``device_id``), builds a plain 1-D ``init_device_mesh``, and runs each collective the cases need on the device's
+tensors, checking the values that come back. Each outcome is recorded with the call it made and, where it
+failed, the exception's type and message. A case that needs a call torch could not make here is skipped
+with that record (:func:`gpu_common.needs`); anything that fails later, inside modelpar, is the failure it is.
+
+Then :func:`hand_over` destroys the probe's group and points ``MASTER_PORT`` at a fresh port, so the strategy
+creates its own group the way it would in a user's run: the probe's choices (no ``device_id``, the timeout)
+never stand in for modelpar's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from harness import free_port
+
+#: ``{name: {"call": the torch call made, "error": None or "ExceptionType: message"}}``, filled by :func:`probe`
+#: in each rank; what :func:`gpu_common.needs` consults.
+PROBED: dict[str, dict[str, str | None]] = {}
+
+#: Outcomes that only inform (printed, never a reason to skip): building meshes is modelpar's job, and a torch
+#: limit there that modelpar works around must not hide the cases that show it does.
+INFORMATIONAL = ("init_device_mesh",)
+
+
+def probe(device: torch.device, timeout: timedelta) -> dict[str, dict[str, str | None]]:
+    """Create the default group with torch alone and record what it can run on ``device``'s tensors.
+
+    Raises only if a process group exists already: then modelpar (or a case) made it, and the outcomes would
+    be about that group's settings, not about torch; the suite must be fixed, not skipped.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the probe found a process group already made; it must run first in the spawn and make the group with"
+            " torch alone, or its outcomes would describe someone else's settings"
+        )
+    PROBED.clear()
+    call = f'torch.distributed.init_process_group("gloo", timeout={timeout}) from the launcher variables'
+    _record("init_process_group", call, lambda: dist.init_process_group("gloo", timeout=timeout), device)
+    for name, call, run in _steps(device, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])):
+        if PROBED["init_process_group"]["error"] is not None:
+            PROBED[name] = {"call": call, "error": "not run: init_process_group failed"}
+        else:
+            _record(name, call, run, device)
+    return dict(PROBED)
+
+
+def names() -> list[str]:
+    """Every outcome :func:`probe` records, in its order."""
+    return ["init_process_group", *(name for name, _, _ in _steps(torch.device("cpu"), 2, 0))]
+
+
+def hand_over() -> None:
+    """Destroy the probe's group and move ``MASTER_PORT`` to a fresh port agreed by all ranks.
+
+    A fresh port, not the same one again: a rank that re-creates its group sooner than rank 0 could otherwise
+    reach the probe's store before rank 0 has closed it.
+    """
+    if not dist.is_initialized():
+        return
+    holder = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(holder[0])
+
+
+def _record(name: str, call: str, run: Callable[[], None], device: torch.device) -> None:
+    try:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # a kernel's error surfaces here, and belongs to this call
+        PROBED[name] = {"call": call, "error": None}
+    except Exception as error:  # every outcome is a finding; a collective gloo lacks raises the same on every rank
+        message = (str(error).strip().splitlines() or [""])[0][:200]
+        PROBED[name] = {"call": call, "error": f"{type(error).__name__}: {message}"}
+
+
+def _expect(t: torch.Tensor, want: torch.Tensor) -> None:
+    """A collective that returns wrong values is as unusable as one that raises."""
+    if not torch.equal(t.float().cpu(), want.float().cpu()):
+        raise ValueError(f"wrong result: {t.tolist()}, expected {want.tolist()}")
+
+
+def _steps(device: torch.device, ws: int, rank: int) -> list[tuple[str, str, Callable[[], None]]]:
+    """``(name, call, run)`` for each probe; ``run`` raises if the call raised or returned wrong values."""
+    total = float(ws * (ws + 1) // 2)  # sum over ranks of rank + 1
+
+    def mine(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((n,), float(rank + 1), device=device, dtype=dtype)
+
+    def all_reduce(dtype: torch.dtype, group: object = None) -> None:
+        x = mine(4, dtype)
+        dist.all_reduce(x, group=group)  # type: ignore[arg-type]
+        _expect(x, torch.full((4,), total))
+
+    def broadcast() -> None:
+        x = mine(4)
+        dist.broadcast(x, src=0)
+        _expect(x, torch.ones(4))
+
+    def all_gather() -> None:
+        out = [torch.empty(4, device=device) for _ in range(ws)]
+        dist.all_gather(out, mine(4))
+        _expect(torch.stack(out), torch.arange(1, ws + 1).float()[:, None].expand(ws, 4))
+
+    def all_gather_into_tensor() -> None:
+        out = torch.empty(4 * ws, device=device)
+        dist.all_gather_into_tensor(out, mine(4))
+        _expect(out, torch.arange(1, ws + 1).float().repeat_interleave(4))
+
+    def reduce_scatter_tensor(dtype: torch.dtype) -> None:
+        out = torch.empty(2, device=device, dtype=dtype)
+        dist.reduce_scatter_tensor(out, mine(2 * ws, dtype))
+        _expect(out, torch.full((2,), total))
+
+    def all_to_all_single() -> None:
+        out = torch.empty(ws, device=device)
+        dist.all_to_all_single(out, torch.arange(ws, device=device, dtype=torch.float32) + rank * ws)
+        _expect(out, torch.arange(ws).float() * ws + rank)
+
+    def new_group_all_reduce() -> None:
+        all_reduce(torch.float32, dist.new_group(list(range(ws))))
+
+    def broadcast_object_list() -> None:
+        holder: list[object] = ["from rank 0" if rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        if holder != ["from rank 0"]:
+            raise ValueError(f"wrong result: {holder}")
+
+    def init_device_mesh() -> None:
+        from torch.distributed.device_mesh import init_device_mesh as build
+
+        mesh = build(device.type, (ws,), mesh_dim_names=("probe",))
+        if mesh.size() != ws:
+            raise ValueError(f"a mesh of {mesh.size()} ranks, expected {ws}")
+
+    on = f"a {device.type} tensor"
+    return [
+        ("init_device_mesh", f'init_device_mesh("{device.type}", ({ws},)) on the default group', init_device_mesh),
+        ("all_reduce", f"dist.all_reduce(float32 {on})", lambda: all_reduce(torch.float32)),
+        ("bf16_all_reduce", f"dist.all_reduce(bfloat16 {on})", lambda: all_reduce(torch.bfloat16)),
+        ("broadcast", f"dist.broadcast(float32 {on})", broadcast),
+        ("all_gather", f"dist.all_gather(float32 {on})", all_gather),
+        ("all_gather_into_tensor", f"dist.all_gather_into_tensor(float32 {on})", all_gather_into_tensor),
+        (
+            "reduce_scatter_tensor",
+            f"dist.reduce_scatter_tensor(float32 {on})",
+            lambda: reduce_scatter_tensor(torch.float32),
+        ),
+        (
+            "bf16_reduce_scatter_tensor",
+            f"dist.reduce_scatter_tensor(bfloat16 {on})",
+            lambda: reduce_scatter_tensor(torch.bfloat16),
+        ),
+        ("all_to_all_single", f"dist.all_to_all_single(float32 {on})", all_to_all_single),
+        ("new_group_all_reduce", f"dist.all_reduce(float32 {on}) on a dist.new_group", new_group_all_reduce),
+        ("broadcast_object_list", "dist.broadcast_object_list([str])", broadcast_object_list),
+        ("barrier", "dist.barrier()", dist.barrier),
+    ]
