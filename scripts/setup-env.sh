@@ -27,13 +27,14 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   pip install "$TORCH_SPEC"
 fi
-# The constraints: the lock without its torch line, and the torch this venv holds (never moved by what follows).
+# The constraints: the lock without its torch line, and the torch this venv holds (never moved by what follows;
+# its installed version as pip knows it: a CUDA wheel from PyPI says 2.12.0 where torch.__version__ says +cu130).
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 if [ -n "$LOCK" ]; then
   grep -vE '^torch==' "$LOCK" >"$constraints"
 fi
-echo "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')" >>"$constraints"
+echo "torch==$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')" >>"$constraints"
 target="."
 if [ -n "$EXTRAS" ]; then
   target=".[$EXTRAS]"

@@ -67,13 +67,13 @@ if [ -n "$LIGHTNING_SPEC" ]; then
   if "$py" -m pip --disable-pip-version-check -q show lightning >/dev/null 2>&1; then
     lightning_pins+=("lightning$LIGHTNING_SPEC")  # the unified package carries its own copy of both
   fi
-  torch_pin="torch==$("$py" -c 'import torch; print(torch.__version__)')"  # never let Lightning move torch
+  torch_pin="torch==$("$py" -c 'from importlib.metadata import version; print(version("torch"))')"  # never let Lightning move torch
   "$py" -m pip --disable-pip-version-check -q install "${lightning_pins[@]}" "$torch_pin" || exit
 fi
 if [ -n "$PINS" ]; then
   read -r -a pins <<<"$PINS"
   "$py" -m pip --disable-pip-version-check -q install "${pins[@]}" \
-    "torch==$("$py" -c 'import torch; print(torch.__version__)')" || exit
+    "torch==$("$py" -c 'from importlib.metadata import version; print(version("torch"))')" || exit
 fi
 "$py" - "$VENV" <<'EOF'
 import sys
