@@ -1,58 +1,76 @@
 """Model FLOP utilization on one GPU: modelpar vs Lightning's strategy vs torch's ``fully_shard`` by hand.
 
-    python benchmarks/bench_mfu.py [--layers 16 --dim 2048 --batch 4 --seq 2048 --steps 20]
+    python benchmarks/bench_mfu.py [--ac none|selective|full --repeats 3 --batch 4 --seq 2048 --steps 20]
+    python benchmarks/bench_mfu.py --sweep [--ac none]
 
-One process (NCCL, 1x1 mesh) trains a ~1.1B-parameter Llama-style model (``modelpar.models.Llama``: dim 2048,
-16 layers, 16 heads, 8 KV heads, SwiGLU 8192, vocabulary 32000) in bf16 with the best single-GPU plan:
-selective activation checkpointing, ``torch.compile`` per block, FSDP2's bf16 policy (parameters all-gathered
-and computed in bf16, gradients reduced in fp32, fp32 master weights and AdamW). Three variants in one run, on
-the same data, one after the other:
+A ~1.1B-parameter Llama-style model (``modelpar.models.Llama``: dim 2048, 16 layers, 16 heads, 8 KV heads, SwiGLU
+8192, vocabulary 32000) trains in bf16 on one GPU (NCCL, 1x1 mesh) with the best single-GPU plan: activation
+checkpointing (``--ac``, default ``selective`` as the plan's), ``torch.compile`` per block, FSDP2's bf16 policy
+(parameters all-gathered and computed in bf16, gradients reduced in fp32, fp32 master weights and AdamW). The
+variants (``_mfu_variants.py`` says what each one does) train the same model on the same data:
 
-* ``modelpar``: ``ModelParallelStrategy(LLAMA_PLAN.replace(activation_checkpointing="selective", compile=True))``
-  with ``precision="bf16-mixed"`` (the strategy derives the bf16 policy);
+* ``modelpar``: ``ModelParallelStrategy(LLAMA_PLAN.replace(activation_checkpointing=..., compile=True))`` with
+  ``precision="bf16-mixed"`` (the strategy derives the bf16 policy);
 * ``lightning``: Lightning's ``ModelParallelStrategy`` with the same plan (it runs ``"bf16-mixed"`` as autocast
   over fp32 FSDP2 parameters, its documented behaviour);
-* ``torch``: the same model sharded by hand: selective checkpointing with ``torch.utils.checkpoint``, ``compile``
-  and ``fully_shard`` per block and on the root, with the bf16 ``MixedPrecisionPolicy``.
+* ``torch``: the same model sharded by hand: ``torch.utils.checkpoint``, ``compile`` and ``fully_shard`` per block
+  and on the root, with the bf16 ``MixedPrecisionPolicy``;
+* ``torch-partial`` (only when named): the hand-written variant as it was until 2026-11-26. It bound
+  ``checkpoint`` with ``functools.partial`` as the block's ``forward``, which ``torch.compile`` never traces
+  (``checkpoint`` is decorated ``@torch._disable_dynamo``): under checkpointing its blocks ran uncompiled, at half
+  modelpar's speed on an H200. That was the "1.906x vs torch by hand"; see ``_mfu_variants.checkpointed``.
 
-Reported per variant: tokens/s (median of the timed steps, after warm-up steps that include compilation), and
-MFU against the GPU's dense bf16 peak under both FLOP conventions:
+Every run is its own process (``--worker``), so that no variant inherits another's compiled graphs, Dynamo caches
+or CUDA allocator; the variants take turns in an order that rotates every round (``--repeats``). Inductor's cache on
+disk is shared on purpose: it shortens compilation but gives the same kernels, so the timed steps do not change.
+
+Reported per variant: tokens/s (each run: its median timed step after warm-up steps that include compilation; the
+table: the median over the runs and their min-max), MFU against the GPU's dense bf16 peak under both FLOP
+conventions,
 
 * ``6N + 12·L·d·s`` per token, no causal discount (torchtitan, MosaicML): N counts the parameters that take part
   in matrix multiplies (all but the input embedding), L layers, d the model width, s the sequence length;
-* ``6N + 6·L·d·s``: the attention term halved for the causal mask (Megatron-LM).
+* ``6N + 6·L·d·s``: the attention term halved for the causal mask (Megatron-LM);
 
-The ratio column is each variant's tokens/s over the hand-written torch run's (our overhead as a ratio). Record
-results in ``benchmarks/RESULTS.md`` with the date, GPU and versions.
+the ratios modelpar / torch by hand and modelpar / Lightning, the peak memory (``torch.cuda.max_memory_allocated``)
+beside modelpar's ``estimate_memory`` for the same model and plan, the set-up time (the meta-device model until it
+is sharded and materialized) and the graphs each run compiled (none under compile: it ran eagerly). ``--sweep`` runs
+modelpar alone over batch sizes and sequence lengths (2k, 8k) and names the fastest configuration that fits;
+out-of-memory configurations are noted and skipped. Record results in ``benchmarks/RESULTS.md`` with the date, GPU
+and versions.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
-from functools import partial
-from typing import Any
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from _mfu_variants import RESULT_PREFIX, RUNNERS, RunResult, config, plan, run_worker
 
 from modelpar.models import Llama, LlamaConfig
 
-#: CUDA when there is a GPU; on a machine without one the benchmark runs on the CPU as a smoke check of its own
-#: code (tiny sizes, --no-compile, --peak-tflops given): its figures then mean nothing.
-DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+#: ``--repeats`` left out: this many rounds, a later one only if the rounds so far predict it ends within
+#: ``DEFAULT_BUDGET_S`` (``scripts/gpu-check.sh`` runs the benchmark with no arguments and must stay short).
+DEFAULT_ROUNDS, DEFAULT_BUDGET_S = 2, 90.0
 
-#: Dense bf16 peak (TFLOP/s, no sparsity) by device name; pass --peak-tflops for others.
-PEAKS_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "B200": 2250.0, "A100": 312.0}
+#: What ``estimate_memory`` counts as kept activations under each ``activation_checkpointing``.
+AC_STORES = {
+    "none": "every activation kept",
+    "selective": "each layer's input and its matmul and attention outputs kept, the rest recomputed",
+    "full": "each layer's input kept, the layer recomputed",
+}
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)
@@ -63,10 +81,33 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", default="modelpar,lightning,torch")
+    p.add_argument("--variants", default="modelpar,lightning,torch", help=f"of: {', '.join(RUNNERS)}")
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (all variants)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not known here")
-    return p.parse_args()
+    p.add_argument("--ac", choices=("none", "selective", "full"), default="selective", help="activation checkpointing")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"rounds of runs, one process each (default: {DEFAULT_ROUNDS} within the time budget; --sweep: 1)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help=f"seconds: start no round predicted to end later (default {DEFAULT_BUDGET_S:.0f} without --repeats)",
+    )
+    p.add_argument("--sweep", action="store_true", help="modelpar over --sweep-seqs x --sweep-tokens instead")
+    p.add_argument("--sweep-seqs", default="2048,8192", help="sequence lengths of the sweep")
+    p.add_argument("--sweep-tokens", default="8192,16384,32768", help="tokens per step (batch = tokens / seq)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one run in this process
+    args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in RUNNERS]
+    if unknown or not args.variants:
+        p.error(f"--variants {args.variants!r}: unknown {unknown}; choose from {', '.join(RUNNERS)}")
+    if args.worker and "," in args.variants:
+        p.error(f"--worker runs one variant, got --variants {args.variants!r}")
+    return args
 
 
 def flops_per_token(cfg: LlamaConfig, n_matmul_params: int, seq: int) -> tuple[float, float]:
@@ -82,180 +123,214 @@ def matmul_params(cfg: LlamaConfig) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("tok_embeddings"))
 
 
-def peak_flops(args: argparse.Namespace) -> float:
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU"
-    for key, tflops in sorted(PEAKS_TFLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key in name:
-            return tflops * 1e12
-    raise SystemExit(f"unknown dense bf16 peak for {name!r}: pass --peak-tflops")
+def estimate(args: argparse.Namespace, batch: int, seq: int) -> tuple[float, str]:
+    """modelpar's predicted peak (GiB) for modelpar's layout of this run, and the activation setting it assumes.
 
+    Computed on the meta device (no memory, no process group): one rank, the ``"bf16-mixed"`` policy the strategy
+    derives (the hand-written variant uses the same one), AdamW, ``batch`` x ``seq`` tokens under ``--ac``.
+    """
+    from modelpar import estimate_memory
 
-def batches(cfg: LlamaConfig, args: argparse.Namespace, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(DEVICE)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(step: Callable[[torch.Tensor, torch.Tensor], None], data: list[Any], args: argparse.Namespace) -> float:
-    """Median seconds per training step over ``args.steps`` timed steps, after ``args.warmup`` untimed ones."""
-    for x, y in data[: args.warmup]:
-        step(x, y)
-    sync()
-    times = []
-    for x, y in data[args.warmup :]:
-        start = time.perf_counter()
-        step(x, y)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def plan(args: argparse.Namespace) -> Any:
-    from modelpar.plans import LLAMA_PLAN
-
-    return LLAMA_PLAN.replace(activation_checkpointing="selective", compile=not args.no_compile)
-
-
-def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Any], args: argparse.Namespace) -> float:
-    from lightning_fabric import Fabric
-
-    fabric = Fabric(accelerator=DEVICE.type, devices=1, strategy=strategy, precision="bf16-mixed")
-    fabric.launch()
-    torch.manual_seed(0)
-    with fabric.init_module(empty_init=True):
-        model = Llama(cfg)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE.type == "cuda"))
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        fabric.backward(loss_fn(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return measure(step, data, args)
-
-
-def run_modelpar(cfg: LlamaConfig, data: list[Any], args: argparse.Namespace) -> float:
-    from modelpar import ModelParallelStrategy
-
-    return run_fabric(ModelParallelStrategy(plan(args), 1, 1), cfg, data, args)
-
-
-def run_lightning(cfg: LlamaConfig, data: list[Any], args: argparse.Namespace) -> float:
-    from lightning_fabric.strategies import ModelParallelStrategy as LightningStrategy
-
-    return run_fabric(LightningStrategy(plan(args), 1, 1), cfg, data, args)
-
-
-def run_torch(cfg: LlamaConfig, data: list[Any], args: argparse.Namespace) -> float:
-    """The same model, plan and policy by hand with torch's public APIs."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
-    names += ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    saved = {getattr(aten, n).default for n in names if hasattr(aten, n)}  # what the plan's "selective" keeps
-
-    def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    mesh = init_device_mesh(DEVICE.type, (1,))
-    torch.manual_seed(0)
     with torch.device("meta"):
-        model = Llama(cfg)
-    for block in model.layers:
-        forward = block.forward
-        block.forward = partial(  # type: ignore[method-assign]
-            checkpoint, forward, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy)
+        model = Llama(config(args, seq))
+    est = estimate_memory(
+        model,
+        plan=plan(args),
+        data_parallel_size=1,
+        precision="bf16-mixed",
+        optimizer="adamw",
+        seq_len=seq,
+        micro_batch_size=batch,
+    )
+    return est.peak / 2**30, est.setting
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(args: argparse.Namespace, variant: str, batch: int, seq: int) -> RunResult | None:
+    """Run ``variant`` at ``batch`` x ``seq`` in a fresh process; its output passes through, its result comes back.
+
+    ``None`` when the process failed (its traceback is on the terminal). The worker gets this run's own arguments,
+    so every flag reaches it, followed by its own (``--variants``, ``--batch``, ``--seq``), which win.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    cmd += ["--worker", "--variants", variant, "--batch", str(batch), "--seq", str(seq)]
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    result = None
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        for line in proc.stdout or ():
+            if line.startswith(RESULT_PREFIX):
+                result = RunResult(**json.loads(line.removeprefix(RESULT_PREFIX)))
+            else:
+                print(line, end="", flush=True)
+    if proc.returncode != 0 or result is None:
+        print(f"{variant}: the run at batch {batch} x {seq} failed (exit code {proc.returncode}; output above)")
+        return None
+    return result
+
+
+def rounds(args: argparse.Namespace) -> tuple[int, float | None]:
+    if args.repeats is None:
+        budget = args.time_budget if args.time_budget is not None else DEFAULT_BUDGET_S
+        return (1 if args.sweep else DEFAULT_ROUNDS), budget
+    return args.repeats, args.time_budget
+
+
+def header(args: argparse.Namespace, first: RunResult, n: int, batch: str) -> str:
+    return (
+        f"{first.device}, torch {first.torch_version}, {n / 1e9:.2f}B matmul parameters, {batch},"
+        f" {args.steps} timed steps after {args.warmup} (compile {'off' if args.no_compile else 'on'}),"
+        f" peak {first.peak_tflops:.1f} TFLOP/s"
+    )
+
+
+def gib(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def compare(args: argparse.Namespace) -> int:
+    """The variants in turns, one process per run, then the table; 1 if a run failed or did not fit."""
+    variants = args.variants.split(",")
+    repeats, budget = rounds(args)
+    runs: dict[str, list[RunResult]] = {v: [] for v in variants}
+    start = time.perf_counter()
+    for r in range(repeats):
+        predicted = (time.perf_counter() - start) * (r + 1) / r if r else 0.0  # the rounds so far took the same
+        if budget is not None and predicted > budget:
+            print(f"(stopped after {r} round(s): one more would end near {predicted:.0f} s, past {budget:.0f} s)")
+            break
+        for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            result = spawn(args, variant, args.batch, args.seq)
+            if result is None or result.oom:
+                why = "ran out of memory (try a smaller --batch)" if result is not None else "failed"
+                print(f"{variant} {why} at {args.batch} x {args.seq}: no comparison")
+                return 1
+            runs[variant].append(result)
+    report(args, runs, time.perf_counter() - start)
+    return 0
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: float) -> None:
+    first = next(iter(runs.values()))[0]
+    cfg = config(args)
+    n = matmul_params(cfg)
+    per_token = flops_per_token(cfg, n, args.seq)
+    peak = first.peak_tflops * 1e12
+    est, setting = estimate(args, args.batch, args.seq)
+    tps = {v: statistics.median(r.tokens_per_s or 0.0 for r in rs) for v, rs in runs.items()}
+    count = min(len(rs) for rs in runs.values())
+    print(f"\n{header(args, first, n, f'batch {args.batch} x {args.seq} tokens')}")
+    print(
+        f"activation checkpointing {args.ac}; every run in its own process, {count} per variant in rotating order;"
+        " tokens/s: the median of the runs (each: its median step), min-max over the runs\n"
+    )
+    print(
+        "| variant | tokens/s | MFU (6N+12Lds) | MFU (6N+6Lds, causal) | vs torch by hand | tokens/s min-max"
+        " | peak GiB | estimate GiB | set-up s | warm-up s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = tps.get("torch")
+    for variant, results in runs.items():
+        mfu = [tps[variant] * f / peak for f in per_token]
+        ratio = f"{tps[variant] / base:.3f}x" if base else "-"
+        spread = [r.tokens_per_s or 0.0 for r in results]
+        peaks = [r.peak_gib for r in results if r.peak_gib is not None]
+        setup = statistics.median(r.setup_s or 0.0 for r in results)
+        warmup = statistics.median(r.warmup_s or 0.0 for r in results)
+        print(
+            f"| {variant} | {tps[variant]:.0f} | {mfu[0]:.1%} | {mfu[1]:.1%} | {ratio}"
+            f" | {min(spread):.0f}-{max(spread):.0f} | {gib(max(peaks) if peaks else None)} | {est:.1f}"
+            f" | {setup:.2f} | {warmup:.1f} |"
         )
-        if not args.no_compile:
-            block.compile()
-    unit = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=unit)
-    fully_shard(model, mesh=mesh, mp_policy=root)
-    model.to_empty(device=DEVICE)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE.type == "cuda")
+    ratios = [
+        f"{a} / {label}: {tps[a] / tps[b]:.3f}x"
+        for a, b, label in (
+            ("modelpar", "torch", "torch by hand"),
+            ("modelpar", "lightning", "Lightning"),
+            ("torch", "torch-partial", "torch-partial"),
+        )
+        if a in tps and b in tps
+    ]
+    if ratios:
+        print("\n" + "; ".join(ratios) + " (median tokens/s)")
+    eager = [v for v, rs in runs.items() if not args.no_compile and any(r.compiled_graphs == 0 for r in rs)]
+    if eager:
+        print(f"compile was on, but {', '.join(eager)} compiled no graph: it ran eagerly")
+    print(
+        f"estimate: modelpar.estimate_memory on the meta device for modelpar's layout (1 rank, bf16-mixed policy,"
+        f" AdamW), activations for {setting} ({AC_STORES[args.ac]}); Lightning's autocast over fp32 parameters"
+        f" is another layout. {sum(map(len, runs.values()))} runs in {elapsed:.0f} s."
+    )
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    return measure(step, data, args)
+def sweep(args: argparse.Namespace) -> int:
+    """modelpar over batch sizes and sequence lengths, one process per run; out-of-memory runs are noted, skipped.
+
+    Once a batch size runs out of memory, the larger ones at that sequence length are skipped without a run.
+    """
+    seqs = [int(s) for s in args.sweep_seqs.split(",")]
+    tokens = [int(t) for t in args.sweep_tokens.split(",")]
+    configs = [(t // seq, seq) for seq in seqs for t in tokens if t >= seq]
+    repeats, _ = rounds(args)
+    start = time.perf_counter()
+    rows: list[tuple[int, int, list[RunResult], str]] = []
+    too_large: dict[int, int] = {}  # sequence length -> the smallest batch that ran out of memory
+    for batch, seq in configs:
+        results: list[RunResult] = []
+        note = ""
+        if batch > too_large.get(seq, batch):
+            rows.append((batch, seq, results, f"skipped: batch {too_large[seq]} ran out of memory"))
+            continue
+        for _ in range(repeats):
+            result = spawn(args, "modelpar", batch, seq)
+            if result is None or result.oom:
+                note = "out of memory: skipped" if result is not None else "failed: skipped (output above)"
+                if result is not None:
+                    too_large[seq] = batch
+                break
+            results.append(result)
+        rows.append((batch, seq, results, note))
+    measured = [r for row in rows for r in row[2]]
+    if not measured:
+        print("no configuration of the sweep completed")
+        return 1
+    first = measured[0]
+    n = matmul_params(config(args))
+    print(f"\n{header(args, first, n, 'batch x sequence by row')}")
+    print(f"modelpar, activation checkpointing {args.ac}, {repeats} run(s) per configuration, each its own process\n")
+    print("| batch x seq | tokens/s | MFU (6N+12Lds) | MFU (6N+6Lds, causal) | peak GiB | estimate GiB | set-up s |")
+    print("|---|---|---|---|---|---|---|")
+    best: tuple[float, str] | None = None
+    for batch, seq, results, note in rows:
+        est, _ = estimate(args, batch, seq)
+        if not results:
+            print(f"| {batch} x {seq} | {note} | | | | {est:.1f} | |")
+            continue
+        tps = statistics.median(r.tokens_per_s or 0.0 for r in results)
+        mfu = [tps * f / (first.peak_tflops * 1e12) for f in flops_per_token(config(args, seq), n, seq)]
+        peaks = [r.peak_gib for r in results if r.peak_gib is not None]
+        setup = statistics.median(r.setup_s or 0.0 for r in results)
+        print(
+            f"| {batch} x {seq} | {tps:.0f} | {mfu[0]:.1%} | {mfu[1]:.1%} | {gib(max(peaks) if peaks else None)}"
+            f" | {est:.1f} | {setup:.2f} |"
+        )
+        if best is None or tps > best[0]:
+            best = (tps, f"batch {batch} x {seq}: {tps:.0f} tokens/s ({mfu[0]:.1%} / {mfu[1]:.1%} causal)")
+    if best is not None:
+        print(f"\nbest on {first.device}: {best[1]}. {len(measured)} runs in {time.perf_counter() - start:.0f} s.")
+    return 0
 
 
 def main() -> None:
     args = parse()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    if DEVICE.type == "cuda":
-        torch.cuda.set_device(DEVICE)
-        dist.init_process_group("nccl", device_id=DEVICE)
-    else:
-        dist.init_process_group("gloo")
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn,
-        max_seq_len=args.seq,
-    )
-    n = matmul_params(cfg)
-    per_token = flops_per_token(cfg, n, args.seq)
-    peak = peak_flops(args)
-    data = batches(cfg, args, args.warmup + args.steps)
-    runners = {"modelpar": run_modelpar, "lightning": run_lightning, "torch": run_torch}
-    results: dict[str, float] = {}
-    for name in args.variants.split(","):
-        if DEVICE.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        seconds = runners[name](cfg, data, args)
-        results[name] = args.batch * args.seq / seconds
-        memory = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if DEVICE.type == "cuda" else ""
-        print(f"{name}: {results[name]:.0f} tokens/s{memory}", flush=True)
-        gc.collect()
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
-    base = results.get("torch")
-    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke check)"
-    print(
-        f"\n{where}, torch {torch.__version__}, {n / 1e9:.2f}B matmul parameters,"
-        f" batch {args.batch} x {args.seq} tokens, {args.steps} timed steps after {args.warmup}"
-        f" (compile {'off' if args.no_compile else 'on'}), peak {peak / 1e12:.1f} TFLOP/s\n"
-    )
-    print("| variant | tokens/s | MFU (6N+12Lds) | MFU (6N+6Lds, causal) | vs torch by hand |")
-    print("|---|---|---|---|---|")
-    for name, tps in results.items():
-        mfu = [tps * f / peak for f in per_token]
-        ratio = f"{tps / base:.3f}x" if base else "-"
-        print(f"| {name} | {tps:.0f} | {mfu[0]:.1%} | {mfu[1]:.1%} | {ratio} |")
-    dist.destroy_process_group()
+    if args.worker:
+        run_worker(args)
+        return
+    sys.exit(sweep(args) if args.sweep else compare(args))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,330 @@
+"""One run of ``bench_mfu.py``: one variant, one configuration, in this process; the result as one JSON line.
+
+``bench_mfu.py`` starts a fresh process for every run (``--worker``), so that no variant inherits another's
+compiled graphs, Dynamo caches or CUDA allocator state; this module is what such a process does. It prints a line
+for people (``modelpar: 65900 tokens/s, peak 22.7 GiB, ...``, the line the benchmark always printed) and a line
+for the parent (:data:`RESULT_PREFIX` followed by JSON).
+
+The variants train the same model on the same data with the same FSDP2 bf16 policy:
+
+* ``modelpar``: modelpar's ``ModelParallelStrategy`` with ``LLAMA_PLAN`` (its checkpointing and compile);
+* ``lightning``: Lightning's ``ModelParallelStrategy`` with the same plan (autocast over fp32 parameters);
+* ``torch``: the model sharded by hand with torch's public APIs, as a competent user writes it (no modelpar);
+* ``torch-partial``: the hand-written variant as it was until 2026-11-26, which binds ``checkpoint`` with
+  ``functools.partial``; under ``torch.compile`` that compiles nothing (see :func:`checkpointed`). Kept to show
+  the pitfall on a GPU; not among the default variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from modelpar.models import Llama, LlamaConfig
+
+#: CUDA when there is a GPU; on a machine without one the benchmark runs on the CPU as a smoke check of its own
+#: code (tiny sizes, --no-compile, --peak-tflops given): its figures then mean nothing.
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+#: Dense bf16 peak (TFLOP/s, no sparsity) by device name; pass --peak-tflops for others.
+PEAKS_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "B200": 2250.0, "A100": 312.0}
+
+#: Marks the worker's machine-readable line on its standard output.
+RESULT_PREFIX = "BENCH_MFU_RESULT "
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class RunResult:
+    """What one worker measured. ``tokens_per_s`` is over the median timed step; ``None`` fields did not apply."""
+
+    variant: str
+    batch: int
+    seq: int
+    device: str
+    torch_version: str
+    peak_tflops: float
+    tokens_per_s: float | None = None
+    step_s: list[float] | None = None
+    setup_s: float | None = None
+    warmup_s: float | None = None
+    peak_gib: float | None = None
+    compiled_graphs: int | None = None
+    oom: str | None = None
+
+
+@dataclass
+class Timing:
+    setup_s: float
+    warmup_s: float
+    step_s: list[float]
+
+
+def config(args: argparse.Namespace, seq: int | None = None) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_hidden=args.ffn,
+        max_seq_len=seq or args.seq,
+    )
+
+
+def peak_flops(args: argparse.Namespace) -> float:
+    if args.peak_tflops:
+        return float(args.peak_tflops) * 1e12
+    name = device_name()
+    for key, tflops in sorted(PEAKS_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return tflops * 1e12
+    raise SystemExit(f"unknown dense bf16 peak for {name!r}: pass --peak-tflops")
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke check)"
+
+
+def plan(args: argparse.Namespace) -> Any:
+    """``LLAMA_PLAN`` with ``--ac`` and compile: what the modelpar and Lightning variants apply."""
+    from modelpar.plans import LLAMA_PLAN
+
+    return LLAMA_PLAN.replace(activation_checkpointing=args.ac, compile=not args.no_compile)
+
+
+def batches(cfg: LlamaConfig, args: argparse.Namespace, n: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(DEVICE)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(step: Callable[[torch.Tensor, torch.Tensor], None], data: list[Batch], args: argparse.Namespace) -> Timing:
+    """Seconds of the ``args.warmup`` untimed steps (compilation happens there) and of each timed step."""
+    start = time.perf_counter()
+    for x, y in data[: args.warmup]:
+        step(x, y)
+    sync()
+    warmup = time.perf_counter() - start
+    times = []
+    for x, y in data[args.warmup :]:
+        start = time.perf_counter()
+        step(x, y)
+        sync()
+        times.append(time.perf_counter() - start)
+    return Timing(setup_s=0.0, warmup_s=warmup, step_s=times)
+
+
+def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator=DEVICE.type, devices=1, strategy=strategy, precision="bf16-mixed")
+    fabric.launch()
+    torch.manual_seed(0)
+    sync()
+    start = time.perf_counter()  # set-up: the meta-device model until it is sharded and materialized
+    with fabric.init_module(empty_init=True):
+        model = Llama(cfg)
+    module = fabric.setup_module(model)
+    sync()
+    setup = time.perf_counter() - start
+    optimizer: Any = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=1e-4, fused=_fused()))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        fabric.backward(loss_fn(module(x), y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    timing = measure(step, data, args)
+    timing.setup_s = setup
+    return timing
+
+
+def run_modelpar(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
+    from modelpar import ModelParallelStrategy
+
+    return run_fabric(ModelParallelStrategy(plan(args), 1, 1), cfg, data, args)
+
+
+def run_lightning(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
+    from lightning_fabric.strategies import ModelParallelStrategy as LightningStrategy
+
+    return run_fabric(LightningStrategy(plan(args), 1, 1), cfg, data, args)
+
+
+def checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | None) -> Callable[..., Any]:
+    """``forward`` under non-reentrant activation checkpointing, through a function of this file.
+
+    Why not ``functools.partial(checkpoint, forward, ...)`` (the ``torch-partial`` variant): ``block.compile()``
+    compiles ``nn.Module._call_impl``, a frame of torch's that Dynamo skips, and Dynamo then starts at the next
+    frame it may trace. Behind a partial that frame is ``torch.utils.checkpoint.checkpoint`` itself, which is
+    torch's too and decorated ``@torch._disable_dynamo``: everything below it runs with Dynamo off. The block is
+    then never compiled, silently, and selective checkpointing runs eagerly (its policy intercepting every op).
+    With a function of our own as ``forward``, Dynamo starts here, traces ``checkpoint`` as a higher-order op
+    (the policy applied when the graph is partitioned) and compiles the whole block, as it does modelpar's.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if context_fn is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return run
+
+
+def run_torch(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace, *, as_partial: bool = False) -> Timing:
+    """The same model, checkpointing, compile and bf16 policy by hand with torch's public APIs (no modelpar).
+
+    torchtitan's order: checkpointing, then ``compile`` per block, then ``fully_shard`` bottom-up, so FSDP's hooks
+    stay outside the compiled and recomputed region. ``as_partial``: bind ``checkpoint`` with ``functools.partial``
+    instead of :func:`checkpointed` (the pre-2026-11-26 baseline, which compiles nothing under checkpointing).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"]
+    names += ["_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
+    saved = {getattr(aten, n).default for n in names if hasattr(aten, n)}  # what the plan's "selective" keeps
+
+    def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = partial(create_selective_checkpoint_contexts, policy) if args.ac == "selective" else None
+    mesh = init_device_mesh(DEVICE.type, (1,))
+    torch.manual_seed(0)
+    sync()
+    start = time.perf_counter()  # set-up: the meta-device model until it is sharded and materialized
+    with torch.device("meta"):
+        model = Llama(cfg)
+    for block in model.layers:
+        if args.ac != "none" and as_partial and context_fn is not None:
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False, context_fn=context_fn)
+        elif args.ac != "none" and as_partial:
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+        elif args.ac != "none":
+            block.forward = checkpointed(block.forward, context_fn)
+        if not args.no_compile:
+            block.compile()
+    unit = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=unit)
+    fully_shard(model, mesh=mesh, mp_policy=root)
+    model.to_empty(device=DEVICE)
+    with torch.no_grad():
+        for module in model.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    sync()
+    setup = time.perf_counter() - start
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=_fused())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    timing = measure(step, data, args)
+    timing.setup_s = setup
+    return timing
+
+
+def _fused() -> bool:
+    return DEVICE.type == "cuda"
+
+
+RUNNERS: dict[str, Callable[[LlamaConfig, list[Batch], argparse.Namespace], Timing]] = {
+    "modelpar": run_modelpar,
+    "lightning": run_lightning,
+    "torch": run_torch,
+    "torch-partial": partial(run_torch, as_partial=True),
+}
+
+
+def compiled_graphs() -> int | None:
+    """Graphs Dynamo compiled in this process; ``None`` if torch's (private) counter is not where it was.
+
+    With compile on, 0 means the model ran eagerly: the ``torch-partial`` variant's defect, made visible.
+    """
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Run ``args.variants`` (one name) at ``args.batch`` x ``args.seq``; print its line and its JSON result.
+
+    Out of memory is a result (``oom`` holds the message), not a crash, so a sweep can note it and go on.
+    """
+    peak = peak_flops(args) / 1e12  # before anything slow: an unknown GPU fails at once
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo")
+    name = args.variants
+    result = RunResult(name, args.batch, args.seq, device_name(), torch.__version__, peak)
+    cfg = config(args)
+    data = batches(cfg, args, args.warmup + args.steps)
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        timing = RUNNERS[name](cfg, data, args)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        result.oom = str(err).splitlines()[0][:300]
+        print(f"{name}: out of memory at batch {args.batch} x {args.seq} ({result.oom})", flush=True)
+    else:
+        result.step_s = timing.step_s
+        result.tokens_per_s = args.batch * args.seq / statistics.median(timing.step_s)
+        result.setup_s, result.warmup_s = timing.setup_s, timing.warmup_s
+        result.compiled_graphs = compiled_graphs()
+        memory = ""
+        if DEVICE.type == "cuda":
+            result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+            memory = f", peak {result.peak_gib:.1f} GiB"
+        print(
+            f"{name}: {result.tokens_per_s:.0f} tokens/s{memory}, set-up {timing.setup_s:.2f} s,"
+            f" first {args.warmup} steps {timing.warmup_s:.1f} s, compiled graphs {result.compiled_graphs}",
+            flush=True,
+        )
+    print(RESULT_PREFIX + json.dumps(asdict(result)), flush=True)
+    dist.destroy_process_group()
