@@ -128,6 +128,31 @@ def test_a_moe_family_splits_whole_experts_over_tensor_parallelism_and_names_the
         plan.check(model, 1, expert_parallel_size=3)
 
 
+@pytest.mark.parametrize(
+    "ep_plan",
+    [
+        {  # transformers 5.24
+            "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+            "layers.*.mlp.experts.down_proj": "grouped_gemm",
+            "layers.*.mlp.experts": "ep_dispatch_experts",
+        },
+        {  # transformers 5.17: the experts module's entry was named as the tensor-parallel style, beside a router's
+            "layers.*.mlp.gate": "ep_router",
+            "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+            "layers.*.mlp.experts.down_proj": "grouped_gemm",
+            "layers.*.mlp.experts": "moe_tp_experts",
+        },
+    ],
+    ids=["ep_dispatch_experts", "moe_tp_experts"],
+)
+def test_the_experts_modules_are_read_from_the_expert_parallel_plan_as_either_release_writes_it(ep_plan):
+    model = _meta("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    model.config.base_model_ep_plan = ep_plan
+    plan = plan_for(model)
+    assert plan.experts == ("model.layers.*.mlp.experts",)
+    plan.check(model, 1, expert_parallel_size=4)
+
+
 def test_a_style_on_a_module_of_another_kind_and_a_bare_parameter_are_refused():
     with pytest.raises(UnsupportedStyleError, match=r"'model\.norm' to the style 'rowwise_split_input'.*RMSNorm"):
         plan_for(_llama_with({"norm": "rowwise_split_input"}))

@@ -166,15 +166,20 @@ def _hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+#: The style an experts module has in ``base_model_ep_plan``: ``"ep_dispatch_experts"`` in transformers 5.24, where
+#: 5.17 wrote ``"moe_tp_experts"`` (beside ``"ep_router"`` for the router, which modelpar needs no entry for).
+_EP_EXPERTS_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
+
+
 def _experts_modules(model: nn.Module, modules: dict[str, nn.Module]) -> tuple[str, ...]:
-    """The experts modules of the config's expert-parallel plan (``"ep_dispatch_experts"`` entries) present here.
+    """The experts modules of the config's expert-parallel plan (:data:`_EP_EXPERTS_STYLES` entries) present here.
 
     transformers names them in ``base_model_ep_plan``; modelpar splits them over the expert axis itself (the
     plan's ``experts``), whatever that plan's other entries say about their parameters.
     """
     ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
     prefix = _base_prefix(model)
-    patterns = [prefix + pattern for pattern, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    patterns = [prefix + pattern for pattern, style in ep_plan.items() if style in _EP_EXPERTS_STYLES]
     return tuple(p for p in patterns if any(name and matches(p, name) for name in modules))
 
 
