@@ -6,6 +6,7 @@ logits, the loss; with FSDP2, the root's gathered parameters). It sees inside ac
 hides the tensors it keeps from outer ``saved_tensors_hooks``. ``saved_for_backward`` counts what autograd
 packs, each storage once, parameters and buffers excluded: the same figure without checkpointing, and the one
 that works under gloo, whose collectives keep buffers alive past the step that a live-bytes count would see.
+With compiled layers the live bytes are what inductor's partitioner chose to save (``compile_backend``).
 """
 
 from __future__ import annotations
@@ -117,8 +118,22 @@ def calibration_model(kind: str, seq_len: int, *, meta: bool = False) -> nn.Modu
         )
 
 
-def measure_single_process(kind: str, *, seq_len: int, checkpointing: str, dtype: torch.dtype, batch: int = 2) -> int:
-    """Bytes live after forward and loss of one step of ``kind`` in ``dtype`` (``F.cross_entropy`` on fp32 logits)."""
+def measure_single_process(
+    kind: str,
+    *,
+    seq_len: int,
+    checkpointing: str,
+    dtype: torch.dtype,
+    batch: int = 2,
+    compile_backend: str | None = None,
+) -> int:
+    """Bytes live after forward and loss of one step of ``kind`` in ``dtype`` (``F.cross_entropy`` on fp32 logits).
+
+    ``compile_backend``: compile every decoder layer after checkpointing it (``module.compile(backend=...)``), the
+    plan's order, and measure the second step (the first compiles). ``"aot_eager_decomp_partition"`` runs
+    inductor's decompositions and partitioner without generating code: the same saved tensors as ``"inductor"``
+    (``benchmarks/calibrate_estimate.py`` checks both), in seconds instead of about a minute a setting on 2 cores.
+    """
     import torch.nn.functional as F
 
     from modelpar.plans._checkpointing import checkpoint_module
@@ -126,20 +141,32 @@ def measure_single_process(kind: str, *, seq_len: int, checkpointing: str, dtype
     torch.manual_seed(0)
     model = calibration_model(kind, seq_len).to(dtype)
     layers = model.layers if kind.startswith("llama") else model.model.layers
-    if checkpointing != "none":
-        for layer in layers:
+    for layer in layers:
+        if checkpointing != "none":
             checkpoint_module(layer, checkpointing)  # type: ignore[arg-type]
+        if compile_backend is not None:
+            layer.compile(backend=compile_backend)
     tokens = torch.randint(0, 256, (batch, seq_len))
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(tokens) if kind.startswith("llama") else model(input_ids=tokens, use_cache=False).logits
         return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1))
 
+    if compile_backend is not None:
+        from torch import _dynamo
+
+        _dynamo.reset()  # each setting compiles afresh, within dynamo's recompile limit
+        _, loss = step()
+        aux = getattr(model, "aux_loss", None)  # modelpar's MoE keeps its router losses, and their graph, on the model
+        (loss if aux is None else loss + aux).backward()  # frees the first step's graph before the measured one
+        model.zero_grad(set_to_none=True)
     return live_after(step)[0]
 
 
-def estimate_single_process(kind: str, *, seq_len: int, checkpointing: str, dtype: torch.dtype, batch: int = 2) -> int:
-    """``estimate_memory``'s stored activations for the same step."""
+def estimate_single_process(
+    kind: str, *, seq_len: int, checkpointing: str, dtype: torch.dtype, batch: int = 2, compile: bool = False
+) -> int:
+    """``estimate_memory``'s stored activations for the same step (``compile``: the plan compiles its layers)."""
     from modelpar import estimate_memory
 
     model = calibration_model(kind, seq_len, meta=True)
@@ -153,7 +180,7 @@ def estimate_single_process(kind: str, *, seq_len: int, checkpointing: str, dtyp
         plan = plan_for(model)
     estimate = estimate_memory(
         model,
-        plan=plan.replace(activation_checkpointing=checkpointing),
+        plan=plan.replace(activation_checkpointing=checkpointing, compile=compile),
         data_parallel_size=1,
         precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
         seq_len=seq_len,

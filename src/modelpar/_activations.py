@@ -30,6 +30,10 @@ Under context parallelism (``modelpar.context``'s kernel) each attention layer k
 the whole sequence (:func:`cp_gathered_kv`) instead of the local ones, its output once more (the kernel joins its
 two query chunks head-major, so the projection's input is a copy), and ``modelpar.models.Llama``'s RoPE keeps
 cos / sin indexed by position (``2 x 2 x b s e/2`` fp32 per layer).
+
+The layers a plan compiles (``ParallelPlan(compile=True)``) keep less: inductor's partitioner recomputes the
+pointwise chains (the norms' casts and normalization, SiLU, RoPE) and keeps the rest
+(:mod:`modelpar._compiled_activations`); outside the layers nothing changes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from modelpar._compiled_activations import LayerTerms, compiled_terms
 from modelpar._moe_estimate import MoEShape, moe_layer_bytes, moe_shape
 from modelpar.plans._plan import ParallelPlan
 
@@ -80,6 +85,8 @@ class ActivationEstimate:
     parts: tuple[tuple[str, int], ...]
     recompute: int  # one checkpointed layer's activations, rebuilt during its backward
     loss_backward: int  # the cross-entropy's gradients, at the start of backward
+    layers: int = 0
+    compiled_layers: int = 0  # layers counted as compiled (torch.compile, inductor's partitioner), the rest eager
 
     @property
     def stored(self) -> int:
@@ -160,8 +167,13 @@ def activation_bytes(
     loss_parallel: bool = False,
     checkpointing: str = "none",
     ac_every: int = 1,
+    compiled: frozenset[int] = frozenset(),
 ) -> ActivationEstimate:
-    """What one rank keeps from forward for backward, by part (see the module docstring for each term)."""
+    """What one rank keeps from forward for backward, by part (see the module docstring for each term).
+
+    ``compiled``: indices of the layers the plan compiles, counted as inductor's partitioner keeps them
+    (:mod:`modelpar._compiled_activations`).
+    """
     a, s = act_bytes, seq_len // cp
     rows = batch * s
     stream_rows = rows // tp if sequence_parallel else rows
@@ -185,23 +197,27 @@ def activation_bytes(
     selective_attention = layer_input + rows * e * (h + 2 * g) * a + rows * d * a + rows * h * e * a
     selective_attention += batch * h * s * _FP32
     cp_kv = cp_gathered_kv(shape, batch=batch, seq_len=seq_len, tp=tp, a=a) if cp > 1 else 0
+    eager = LayerTerms(norms=norms, mlp=mlp, mlp_selective=rows * d * a + 2 * rows * f * a)
+    inductor = compiled_terms(rows=rows, stream_rows=stream_rows, d=d, f=f, h=h, g=g, e=e, a=a, qk_norm=shape.qk_norm)
     dense = kept = moe = checkpointed = recompute = 0
     for index in range(shape.layers):
+        terms = inductor if index in compiled else eager
         is_moe = shape.moe is not None and index in shape.moe.layer_ids
-        ffn = _moe_ffn(shape, rows, a, "none") if is_moe else mlp
-        ffn_selective = _moe_ffn(shape, rows, a, "selective") if is_moe else rows * d * a + 2 * rows * f * a
+        ffn = _moe_ffn(shape, rows, a, "none") if is_moe else terms.mlp
+        ffn_selective = _moe_ffn(shape, rows, a, "selective") if is_moe else terms.mlp_selective
         if checkpointing == "none" or (index + 1) % ac_every:
-            dense += norms + attention + (0 if is_moe else ffn)
+            dense += terms.norms + attention + (0 if is_moe else ffn)
             moe += ffn if is_moe else 0
             continue
         checkpointed += 1
+        everything = terms.norms + attention + ffn + cp_kv
         if checkpointing == "full":
             kept += layer_input
-            recompute = max(recompute, norms + attention + ffn + cp_kv - layer_input)
+            recompute = max(recompute, everything - layer_input)
         else:
             kept += selective_attention + (0 if is_moe else ffn_selective)
             moe += ffn_selective if is_moe else 0
-            recompute = max(recompute, norms + attention + ffn + cp_kv - selective_attention - ffn_selective)
+            recompute = max(recompute, everything - selective_attention - ffn_selective)
     n_moe = len(shape.moe.layer_ids) if shape.moe is not None else 0
     moe_name = f"MoE feed-forwards ({n_moe} layer{'s' * (n_moe != 1)})"
 
@@ -222,6 +238,8 @@ def activation_bytes(
         parts=tuple((name, size) for name, size in parts if size),
         recompute=recompute,
         loss_backward=2 * rows * vocab * _FP32,
+        layers=shape.layers,
+        compiled_layers=len(compiled & set(range(shape.layers))),
     )
 
 

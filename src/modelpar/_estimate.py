@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from modelpar._activations import activation_bytes, check_sequence, decoder_shape, setting_label
+from modelpar._compiled_activations import compiled_layers
 from modelpar._estimate_report import MemoryEstimate, dtype_name
 from modelpar._fsdp import FSDPOptions, fsdp_shard_dim
 from modelpar._grad_sync import AccumulationMode, GradientSyncControl
@@ -97,7 +98,9 @@ def estimate_memory(
     FSDP shards over the data-parallel shard group x the context-parallel ranks, as torchtitan does) size the
     activations of a Llama-style decoder (:mod:`modelpar._activations`), under the plan's
     ``activation_checkpointing``, ``ac_every``, ``sequence_parallel`` and ``loss_parallel``, in the activation
-    dtype (the policy's ``param_dtype``, else the parameters'). ``reshard_after_forward`` is the strategy's
+    dtype (the policy's ``param_dtype``, else the parameters'); the decoder layers the plan compiles
+    (``compile=True``) as inductor's partitioner keeps them (:mod:`modelpar._compiled_activations`), the rest as
+    eager PyTorch does. ``reshard_after_forward`` is the strategy's
     option (the plan's wins); ``False`` keeps every unit gathered from forward to backward.
     ``expert_parallel_size`` splits the experts of the plan's ``experts`` modules over that many of the ranks
     that shard each replica (``E / ep`` whole experts per rank), FSDP-sharded over the rest, as their own unit;
@@ -194,6 +197,8 @@ def estimate_memory(
     extras: dict[str, tuple[tuple[str, int], ...]] = {}
     if seq_len is not None:
         decoder = decoder_shape(model)
+        compiled, why_eager = compiled_layers(model, units, plan, moe=decoder.moe is not None)
+        notes |= {why_eager} - {""}
         activations = activation_bytes(
             decoder,
             batch=micro_batch_size,
@@ -205,6 +210,7 @@ def estimate_memory(
             loss_parallel=plan.loss_parallel and tp > 1,
             checkpointing=plan.activation_checkpointing,
             ac_every=plan.ac_every,
+            compiled=compiled,
         )
     if seq_len is not None and decoder is not None and decoder.moe is not None and experts:  # dispatch / combine
         a2a = all_to_all_bytes(

@@ -109,19 +109,31 @@ class MemoryEstimate:
 
     def _peak_lines(self) -> list[str]:
         persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
-        rows = [("persistent state", "parameters, gradients, optimizer, buffers", persistent)]
+        rows: list[tuple[str, str, int | None]] = [
+            ("persistent state", "parameters, gradients, optimizer, buffers", persistent)
+        ]
         rows.append(("root gathered", "forward through backward", self.root_gathered))
         if self.activations is not None:
             rows.append(("activations", self.setting, self.activations.stored))
+            rows.append((f"  assumes: {_kept_by(self.activations)}", "", None))
             rows += [(f"  {name}", "", size) for name, size in self.activations.parts]
         else:
             rows.append(("activations", "not counted: pass seq_len (--seq-len)", 0))
         rows.append(("worst moment", self.moment_name, sum(size for _, size in self.moment)))
         rows += [(f"  {name}", "", size) for name, size in self.moment if size]
+        rows.append(("peak", "", self.peak))
         lines = ["", "Peak per rank (device)"]
-        lines += [f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
-        lines.append(f"{'peak':<34}{'':<42}{_human(self.peak):>12}")
+        lines += [name if size is None else f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
         return lines
+
+
+def _kept_by(activations: ActivationEstimate) -> str:
+    """Which code's saved tensors the activations assume: eager PyTorch's, or compiled blocks' (and how many)."""
+    compiled, layers = activations.compiled_layers, activations.layers
+    if not compiled:
+        return "eager (what PyTorch's ops save)"
+    which = "every decoder layer" if compiled == layers else f"{compiled} of {layers} decoder layers, the rest eager"
+    return f"compiled blocks (inductor: what its partitioner saves; {which})"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
