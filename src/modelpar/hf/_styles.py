@@ -60,6 +60,12 @@ _EXPERTS_FIX = (
     " `modelpar.plans.ParallelPlan` that splits only the attention and dense projections"
 )
 
+_EXPERT_PARALLEL_STYLE = (
+    "an expert-parallel style (an entry of transformers' `base_model_ep_plan`, from which `plan_for` takes the"
+    " experts modules as the plan's `experts`) is not a tensor-parallel layout. Use `expert_parallel_size` for"
+    " expert parallelism, and the model's `base_model_tp_plan` (or `tensor_parallel_size=1`) for tensor parallelism"
+)
+
 #: Hugging Face style -> why modelpar refuses it (a :class:`RefusedStyleError` naming the style).
 HF_REFUSED: Mapping[str, str] = {
     "packed_colwise": f"a packed column-wise split is not supported yet: {_PACKED}. {_EXPERTS_FIX}",
@@ -68,15 +74,19 @@ HF_REFUSED: Mapping[str, str] = {
         "an identity (zero-compute) expert beside tensor-parallel experts is not supported yet: its tokens would be"
         f" counted once per tensor-parallel rank in the summed output. {_EXPERTS_FIX}"
     ),
-    "grouped_gemm": (
-        "an expert-parallel style (transformers' `base_model_ep_plan`, which `plan_for` does not read) is not a"
-        " tensor-parallel layout: expert parallelism is not supported by `plan_for` yet. Use"
-        " `tensor_parallel_size=1` or the model's `base_model_tp_plan`"
+    "grouped_gemm": _EXPERT_PARALLEL_STYLE,
+    "ep_dispatch_experts": _EXPERT_PARALLEL_STYLE,
+    "ep_router": _EXPERT_PARALLEL_STYLE,  # transformers 5.17's router entry of `base_model_ep_plan`
+    # transformers 5.17 registers these for its FP8 x FP4 DeepGEMM "Mega MoE" kernels (quantized experts, SM100+).
+    "megamoe_experts": (
+        "an expert-parallel style of transformers' FP8 x FP4 DeepGEMM kernels for quantized experts (5.17), not a"
+        " tensor-parallel layout: quantized experts are not supported. Use `tensor_parallel_size=1` with a model"
+        " whose experts are in bf16 or fp32"
     ),
-    "ep_dispatch_experts": (
-        "an expert-parallel style (transformers' `base_model_ep_plan`, which `plan_for` does not read) is not a"
-        " tensor-parallel layout: expert parallelism is not supported by `plan_for` yet. Use"
-        " `tensor_parallel_size=1` or the model's `base_model_tp_plan`"
+    "megamoe_router": (
+        "an expert-parallel style of transformers' FP8 x FP4 DeepGEMM kernels for quantized experts (5.17), not a"
+        " tensor-parallel layout: quantized experts are not supported. Use `tensor_parallel_size=1` with a model"
+        " whose experts are in bf16 or fp32"
     ),
     "local_params": (
         "a module run on its local shards (`local_params`, with a bare parameter such as attention sinks split"
