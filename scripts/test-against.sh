@@ -16,7 +16,9 @@
 # PINS: pip requirements (space-separated) installed last, like LIGHTNING_SPEC, with torch held.
 #
 # TORCH_SPEC: a pip requirement for torch (default: the lock's, the CPU build on the local disk); other
-# releases come from PyPI as CUDA builds (several GB with their nvidia-* dependencies; they run on CPU).
+# releases come from PyPI as CUDA builds (several GB with their nvidia-* dependencies; they run on CPU). torch is
+# held at that release while modelpar installs, so one below pyproject.toml's floor is refused by pip
+# (ResolutionImpossible): lower the floor in the working tree first to try it.
 # LIGHTNING_SPEC: a version ("2.6.1") or a specifier ("~=2.5.0") for lightning-fabric, pytorch-lightning and,
 # when the dev extra installed it, lightning. It is installed after modelpar, so it may go below the floors in
 # pyproject.toml (pip then reports the conflict, which is the point). COMPAT_NAME names the venv (default: from
