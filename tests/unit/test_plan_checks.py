@@ -296,21 +296,27 @@ def test_loss_parallel_is_a_no_op_for_plain_logits():
     assert logits.grad is not None
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointed_hugging_face_layers_do_not_write_their_kv_cache_twice(mode):
-    """HF decoder layers append to ``past_key_values`` when ``use_cache`` (the default): inside a recomputed region
-    that is written twice, and selective checkpointing fails; gradients must equal the unchecked model's."""
+def _tiny_hf_llama(layers: int = 1):
+    """(the transformers module, a tiny Llama config, a model from it drawn from seed 0)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=128,
     )
     torch.manual_seed(0)
-    plain = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return transformers, config, model
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_hugging_face_layers_do_not_write_their_kv_cache_twice(mode):
+    """HF decoder layers append to ``past_key_values`` when ``use_cache`` (the default): inside a recomputed region
+    that is written twice, and selective checkpointing fails; gradients must equal the unchecked model's."""
+    transformers, config, plain = _tiny_hf_llama(layers=2)
     checked = transformers.AutoModelForCausalLM.from_config(config)
     checked.load_state_dict(plain.state_dict())
     for layer in checked.model.layers:
@@ -324,21 +330,6 @@ def test_checkpointed_hugging_face_layers_do_not_write_their_kv_cache_twice(mode
         assert checked(tokens, use_cache=True).past_key_values.get_seq_length() == 12
 
 
-def _tiny_hf_llama_layer():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    return transformers, config, model
-
-
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("passed_as", ["current keyword", "past_key_values keyword", "positional"])
 def test_checkpointed_hugging_face_layer_never_writes_a_cache_given_under_any_name(mode, passed_as):
@@ -346,7 +337,7 @@ def test_checkpointed_hugging_face_layer_never_writes_a_cache_given_under_any_na
     cache is found by its type, whether the layer gets it under the installed release's name, the deprecated one
     or positionally, so this holds on both sides of the rename. Gradients equal the plain layer's without a cache,
     and the cache stays empty."""
-    transformers, config, model = _tiny_hf_llama_layer()
+    transformers, config, model = _tiny_hf_llama()
     layer = model.model.layers[0]
     plain = copy.deepcopy(layer)
     checkpoint_module(layer, mode)
@@ -381,7 +372,7 @@ def test_checkpointed_hugging_face_layer_never_writes_a_cache_given_under_any_na
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointing_drops_a_hugging_face_cache_under_an_argument_name_of_its_own(mode):
     """A module of the user's that takes a transformers ``Cache`` under a name nobody told us about."""
-    transformers, config, _ = _tiny_hf_llama_layer()
+    transformers, config, _ = _tiny_hf_llama()
 
     class Appends(nn.Module):
         def __init__(self) -> None:
@@ -405,7 +396,7 @@ def test_checkpointing_drops_a_hugging_face_cache_under_an_argument_name_of_its_
 def test_checkpointing_keeps_the_cache_of_a_layer_transformers_marks_as_only_reading_it(mode):
     """transformers marks layers that read a cache without writing it ``_can_checkpoint_with_cache``: the
     recomputation reads the same states, so the cache stays (dropping it would change the layer's output)."""
-    transformers, config, _ = _tiny_hf_llama_layer()
+    transformers, config, _ = _tiny_hf_llama()
 
     class Reads(nn.Module):
         _can_checkpoint_with_cache = True
