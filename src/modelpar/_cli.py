@@ -114,6 +114,16 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "--ac", choices=["none", "selective", "full"], default="none", help="activation checkpointing"
     )
     estimate.add_argument("--ac-every", type=int, default=1, help="checkpoint every k-th layer (default: 1)")
+    estimate.add_argument(
+        "--compile", action="store_true", help="the plan's compile: decoder layers' activations as inductor keeps them"
+    )
+    estimate.add_argument(
+        "--accumulate-grad-batches",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step: from 2 on, gradients are held beside the activations (default: 1)",
+    )
     estimate.add_argument("--sequence-parallel", action="store_true", help="the plan's sequence_parallel")
     estimate.add_argument("--loss-parallel", action="store_true", help="the plan's loss_parallel")
     estimate.add_argument("--search", action="store_true", help="list the layouts that fit (needs the next two)")
@@ -139,11 +149,14 @@ def _estimate(args: argparse.Namespace) -> None:
 
         plan = plan_for(model, **options)  # refuses what Hugging Face models cannot do, with the reason
     plan = plan.replace(**options, activation_checkpointing=args.ac, ac_every=args.ac_every)
+    if args.compile:
+        plan = plan.replace(compile=True)
     common = {
         "optimizer": args.optimizer,
         "precision": args.precision,
         "cpu_offload": args.cpu_offload,
         "gradient_accumulation": args.accumulation,
+        "accumulate_grad_batches": args.accumulate_grad_batches,
     }
     if args.search:
         memory = parse_memory(args.gpu_memory)

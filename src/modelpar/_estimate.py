@@ -75,6 +75,7 @@ def estimate_memory(
     context_parallel_size: int = 1,
     reshard_after_forward: bool | None = None,
     expert_parallel_size: int = 1,
+    accumulate_grad_batches: int = 1,
 ) -> MemoryEstimate:
     """Bytes per rank that ``plan`` on this layout needs for ``model``'s state, computed without running anything.
 
@@ -106,8 +107,12 @@ def estimate_memory(
     that shard each replica (``E / ep`` whole experts per rank), FSDP-sharded over the rest, as their own unit;
     MoE layers' activations assume balanced routing, and their all-to-all buffers join the experts' backward
     (:mod:`modelpar._moe_estimate`). A Hugging Face MoE, which expert parallelism does not take, is refused above 1.
-    :attr:`~MemoryEstimate.peak` adds them up (see the module docstring for the rule); ``str()`` prints it with
-    its parts.
+    ``accumulate_grad_batches`` (the Trainer's name: micro-batches per optimizer step) decides where the
+    gradients are at the peak: with 1, ``zero_grad()`` (``set_to_none=True``, torch's default) freed them after
+    the last step, and backward writes them while it frees the activations, so the peak counts the larger of the
+    two; from 2 on, the earlier micro-batches' gradients are there while the next one's activations are, and both
+    count. :attr:`~MemoryEstimate.peak` adds them up (see the module docstring for the rule); ``str()`` prints it
+    with its parts.
 
     Raises ``TypeError`` for a ``plan`` that is not a ``ParallelPlan``, and what ``plan.check`` raises when the
     plan does not fit the model at this tensor-parallel size.
@@ -123,6 +128,16 @@ def estimate_memory(
     cp = check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
     layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size, cp, expert_parallel_size)
     GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
+    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+        raise TypeError(
+            f"`accumulate_grad_batches={accumulate_grad_batches!r}` must be an int: the micro-batches per optimizer"
+            " step (1 without gradient accumulation)."
+        )
+    if accumulate_grad_batches < 1:
+        raise ValueError(
+            f"`accumulate_grad_batches={accumulate_grad_batches}` must be at least 1: the micro-batches per optimizer"
+            " step (1 without gradient accumulation)."
+        )
     states = _optimizer_states(optimizer)
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(
@@ -250,6 +265,7 @@ def estimate_memory(
         moment=moment,
         moment_name=moment_name,
         setting=setting_label(plan, seq_len, micro_batch_size, cp, tp, dtype_name(compute_dtype)),
+        accumulate_grad_batches=accumulate_grad_batches,
     )
 
 

@@ -45,6 +45,7 @@ class MemoryEstimate:
     moment: tuple[tuple[str, int], ...] = ()
     moment_name: str = ""
     setting: str = ""
+    accumulate_grad_batches: int = 1
 
     @property
     def total(self) -> int:
@@ -67,10 +68,40 @@ class MemoryEstimate:
         return self.activations.stored if self.activations is not None else 0
 
     @property
+    def device_gradients(self) -> int:
+        """The sharded (or, accumulating unsharded, whole) gradients on the device: none of them under offload."""
+        offloaded = self.host > 0 and self.gradient_accumulation == "sharded"
+        return 0 if offloaded else self.gradients
+
+    @property
+    def peak_gradients(self) -> int:
+        """What the gradients add at the peak, beyond the activations.
+
+        With ``accumulate_grad_batches == 1`` the gradients do not exist when backward starts (``zero_grad()``,
+        ``set_to_none=True`` by default, freed them), and backward writes them unit by unit as it frees the
+        activations: the peak holds the larger of the two, so only what the gradients exceed the activations by
+        counts. Under accumulation the earlier micro-batches' gradients are there beside every activation.
+        """
+        if self.accumulate_grad_batches > 1:
+            return self.device_gradients
+        return max(0, self.device_gradients - self.stored_activations)
+
+    @property
     def peak(self) -> int:
-        """Device bytes at the worst moment of a step: persistent state, root gathered, activations, worst moment."""
-        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
-        return persistent + self.root_gathered + self.stored_activations + sum(size for _, size in self.moment)
+        """Device bytes at the worst moment of a step: persistent state, root gathered, activations, the gradients
+        beyond them (:attr:`peak_gradients`), the worst moment of backward."""
+        persistent = self.parameters + self.optimizer_states + self.buffers - (self.host - self._host_gradients)
+        return (
+            persistent
+            + self.peak_gradients
+            + self.root_gathered
+            + self.stored_activations
+            + sum(size for _, size in self.moment)
+        )
+
+    @property
+    def _host_gradients(self) -> int:
+        return self.gradients - self.device_gradients
 
     def __str__(self) -> str:
         layout, offload = self.layout, self.host > 0
@@ -108,10 +139,15 @@ class MemoryEstimate:
         return "\n".join(line.rstrip() for line in lines)
 
     def _peak_lines(self) -> list[str]:
-        persistent = self.parameters + self.gradients + self.optimizer_states + self.buffers - self.host
-        rows: list[tuple[str, str, int | None]] = [
-            ("persistent state", "parameters, gradients, optimizer, buffers", persistent)
-        ]
+        persistent = self.parameters + self.optimizer_states + self.buffers - (self.host - self._host_gradients)
+        rows: list[tuple[str, str, int | None]] = [("persistent state", "parameters, optimizer, buffers", persistent)]
+        if self.accumulate_grad_batches > 1:
+            grads = f"kept over {self.accumulate_grad_batches} micro-batches"
+        elif self.activations is not None:
+            grads = "beyond the activations backward frees"
+        else:
+            grads = "after backward"
+        rows.append(("gradients", grads, self.peak_gradients))
         rows.append(("root gathered", "forward through backward", self.root_gathered))
         if self.activations is not None:
             rows.append(("activations", self.setting, self.activations.stored))

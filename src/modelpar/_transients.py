@@ -12,6 +12,9 @@ The peak per rank is then: persistent state + root gathered + activations kept f
 moment of backward, which is either the loss's gradients or one unit's gathered parameters, unsharded
 gradients, reduce-scatter input and (when it is checkpointed) its recomputed activations. Summing the moment on
 top of every stored activation over-counts by what backward has already freed (a layer's worth at most).
+The sharded gradients are persistent state only under gradient accumulation: with one micro-batch per step,
+``zero_grad()`` frees them after the step and backward writes them unit by unit while it frees the activations,
+so the peak counts the larger of the two (:attr:`~modelpar.MemoryEstimate.peak`).
 """
 
 from __future__ import annotations

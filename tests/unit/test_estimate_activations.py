@@ -138,3 +138,53 @@ def test_bad_activation_arguments_are_refused_with_the_fix():
 
     with pytest.raises(ValueError, match=r"counts activations of Llama-style decoders.*Leave `seq_len=None`"):
         estimate_memory(plain, plan=ParallelPlan(), data_parallel_size=1, seq_len=8)
+
+
+def _parts(e) -> int:
+    """The peak's parts as the table lists them, without the gradients."""
+    return (
+        e.parameters
+        + e.optimizer_states
+        + e.buffers
+        + e.root_gathered
+        + e.stored_activations
+        + sum(size for _, size in e.moment)
+    )
+
+
+def test_one_micro_batch_per_step_counts_the_gradients_only_beyond_the_activations():
+    # zero_grad(set_to_none=True) freed them; backward writes them while it frees the activations.
+    e = estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=1, seq_len=32, micro_batch_size=2)
+    assert e.gradients < e.stored_activations  # this setting: the activations are the larger
+    assert e.peak_gradients == 0 and e.peak == _parts(e)
+    assert e.total == e.parameters + e.gradients + e.optimizer_states + e.gathered_unit + e.unit_gradients + e.buffers
+    short = estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=1, seq_len=1)
+    assert short.gradients > short.stored_activations  # one token: the gradients are the larger
+    assert short.peak == _parts(short) + short.gradients - short.stored_activations
+
+
+def test_accumulation_holds_the_gradients_beside_every_activation():
+    one = estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=1, seq_len=32, micro_batch_size=2)
+    four = estimate_memory(
+        tiny(), plan=LLAMA_PLAN, data_parallel_size=1, seq_len=32, micro_batch_size=2, accumulate_grad_batches=4
+    )
+    assert four.peak_gradients == four.gradients and four.peak == one.peak + one.gradients
+    assert "gradients                         kept over 4 micro-batches" in str(four)
+    assert "beyond the activations backward frees" in str(one)
+
+
+def test_without_seq_len_the_gradients_count_whole_as_before():
+    e = estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=2)
+    assert e.peak_gradients == e.gradients and e.peak == 16 * 788 + BUFFERS + 4 * ROOT + 12 * BLOCK
+
+
+def test_offloaded_gradients_are_not_on_the_device_at_the_peak():
+    e = estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=2, cpu_offload=True, accumulate_grad_batches=2)
+    assert e.host == e.parameters + e.gradients + e.optimizer_states
+    assert e.peak_gradients == 0 and e.peak == e.buffers + e.root_gathered + sum(size for _, size in e.moment)
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_accumulate_grad_batches_must_be_a_positive_int(value, error):
+    with pytest.raises(error, match=rf"`accumulate_grad_batches={value!r}` must be"):
+        estimate_memory(tiny(), plan=LLAMA_PLAN, data_parallel_size=1, accumulate_grad_batches=value)

@@ -297,3 +297,14 @@ def test_cli_prints_the_peak_with_activations(capsys):
     out = capsys.readouterr().out
     assert "b 2 x seq 4, fp32, AC selective" in out and "layers, selective checkpointing" in out
     assert out.rstrip().splitlines()[-1].startswith("peak")
+
+
+def test_cli_takes_compile_and_accumulated_micro_batches(capsys):
+    config = json.dumps({"vocab_size": 16, "dim": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 16})
+    args = ["estimate", "--llama", config, "--seq-len", "4", "--micro-batch", "2"]
+    assert main(args) == 0
+    eager = capsys.readouterr().out
+    assert main([*args, "--compile", "--accumulate-grad-batches", "3"]) == 0
+    compiled = capsys.readouterr().out
+    assert "assumes: eager" in eager and "beyond the activations backward frees" in eager
+    assert "assumes: compiled blocks" in compiled and "kept over 3 micro-batches" in compiled
