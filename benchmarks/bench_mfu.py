@@ -257,6 +257,15 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
     ]
     if ratios:
         print("\n" + "; ".join(ratios) + " (median tokens/s)")
+    setups = {v: statistics.median(r.setup_s or 0.0 for r in rs) for v, rs in runs.items()}
+    if setups.get("modelpar") and setups.get("lightning"):
+        by_hand = ""
+        if setups.get("torch"):
+            by_hand = f"; modelpar / torch by hand: {setups['modelpar'] / setups['torch']:.2f}x"
+        print(
+            f"set-up (meta model to sharded and materialized, synchronized): modelpar / Lightning:"
+            f" {setups['modelpar'] / setups['lightning']:.2f}x (goal on a GPU: at most 1.2x){by_hand}"
+        )
     eager = [v for v, rs in runs.items() if not args.no_compile and any(r.compiled_graphs == 0 for r in rs)]
     if eager:
         print(f"compile was on, but {', '.join(eager)} compiled no graph: it ran eagerly")

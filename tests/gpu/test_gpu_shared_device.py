@@ -266,6 +266,68 @@ def case_compile_with_tensor_parallel() -> dict[str, Any]:
     return {"loss_diff": worst}
 
 
+#: (shape, placements on a 1-D mesh of every rank) the offset-RNG comparison draws: FSDP's dim-0 shards, a
+#: column split (a non-contiguous block), and a size no rank count divides evenly.
+RNG_LAYOUTS = (((1024, 512), "Shard(0)"), ((1024, 512), "Shard(1)"), ((1000, 36), "Shard(0)"))
+
+
+def case_dtensor_offset_rng_against_the_full_draw() -> dict[str, Any]:
+    """Issue 25, point 6, with torch alone: would DTensor's offset-based RNG give each rank its block of one full draw?
+
+    modelpar's meta-device init draws every full tensor on every rank (the guarantee: one process's values, bit
+    for bit). On CUDA, DTensor's random ops let each rank draw only its block, from an offset into one Philox
+    stream; that would be adopted if the blocks equal the full draw's. The figures say, per layout, whether they
+    do (and how many elements differ), and what each way costs on this device; nothing here is modelpar's code,
+    so the case fails only if torch raises. On a CPU mesh torch has no offset RNG (every rank repeats one
+    draw): the figures say so.
+    """
+    needs("broadcast")  # the tracker broadcasts rank 0's random state when it is created
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    _strategy(_world(), 1)  # the default group, as every case has it
+    mesh = init_device_mesh(device().type, (_world(),), mesh_dim_names=("rng",))
+    figures: dict[str, Any] = {"supported": mesh.device_type != "cpu"}  # torch's tracker: CUDA-like devices only
+    for shape, placement in RNG_LAYOUTS:
+        placements = [Shard(int(placement[6]))]
+        torch.manual_seed(1234)
+        whole = torch.empty(shape, device=device()).normal_()
+        want = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+        torch.manual_seed(1234)
+        block = dtensor_empty(shape, device_mesh=mesh, placements=placements)
+        torch.nn.init.normal_(block)
+        got = block.to_local()
+        counts = torch.tensor([int((got != want).sum()), got.numel()])
+        dist.all_reduce(counts)  # over every rank's block: each rank draws its own
+        differ, numel = counts.tolist()
+        figures[f"{shape} {placement}"] = "bit for bit" if differ == 0 else f"{differ} of {numel} elements differ"
+    figures.update(_draw_seconds(mesh))
+    return figures
+
+
+def _draw_seconds(mesh: Any) -> dict[str, float]:
+    """Seconds for a full 8192 x 8192 fp32 draw (what each rank does today) and for a rank's block through DTensor."""
+    import time
+
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    def timed(fill: Any) -> float:
+        fill()  # first call: allocation, kernels loaded
+        if on_cuda():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fill()
+        if on_cuda():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    whole = torch.empty(8192, 8192, device=device())
+    block = dtensor_empty((8192, 8192), device_mesh=mesh, placements=[Shard(0)])
+    return {"full_draw_s": timed(whole.normal_), "block_draw_s": timed(lambda: torch.nn.init.normal_(block))}
+
+
 def case_self_check_torch_error_inside_the_mesh_build() -> dict[str, Any]:
     """Issue 25 on purpose: torch raises inside modelpar's mesh build, as torch 2.11's ``split_group`` did there.
 
@@ -305,6 +367,7 @@ CASES = {
     "stream_full_file": case_full_file_streams_into_shards_with_little_gpu_memory,
     "async_reshard": case_async_distributed_save_reshards_on_load,
     "compile_tp": case_compile_with_tensor_parallel,
+    "dtensor_offset_rng": case_dtensor_offset_rng_against_the_full_draw,
     # the suite's own checks, last: they leave nothing behind, but a case that fails on purpose goes after the rest
     "self_check_mesh_build_raises": case_self_check_torch_error_inside_the_mesh_build,
     "self_check_mesh_does_not_fit": case_self_check_mesh_that_does_not_fit_the_world,
@@ -371,6 +434,22 @@ def test_async_distributed_saves_reshard_on_load(two: list[dict[str, Any]]) -> N
 
 def test_compile_with_tensor_parallel_matches_the_one_process_loss(two: list[dict[str, Any]]) -> None:
     check(two, "compile_tp")
+
+
+def test_dtensor_offset_rng_blocks_are_compared_with_the_full_draw(two: list[dict[str, Any]]) -> None:
+    """The evidence for point 6: printed as figures; modelpar keeps full draws unless every layout is bit for bit.
+
+    A torch whose offset RNG reproduced the full draw here would fail this test on purpose, naming the change to
+    make (``docs/nd-parallelism.md``, "Why every rank draws every full tensor").
+    """
+    figures = check(two, "dtensor_offset_rng")
+    verdicts = {k: v for k, v in figures.items() if k.startswith("(")}
+    assert len(verdicts) == len(RNG_LAYOUTS), figures
+    if on_cuda() and figures["supported"] and all(v == "bit for bit" for v in verdicts.values()):
+        pytest.fail(
+            f"DTensor's offset RNG reproduced the full draw on every layout with torch {torch.__version__} ({figures}):"
+            " block draws would keep the guarantee here; adopt them for CUDA meshes (issue 25, point 6)"
+        )
 
 
 def _assert_reported_as_a_failure(results: list[dict[str, Any]], name: str, error: str) -> None:
