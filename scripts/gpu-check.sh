@@ -18,6 +18,7 @@ OUT=${GPU_CHECK_OUT:-gpu-check-results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a segfault in a spawned rank prints its Python stack
 
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu-check: $PYTHON has no CUDA build of torch, or no GPU is visible (torch.cuda.is_available() is False)." >&2

@@ -26,6 +26,7 @@ traceback while the others still run, and the tests assert case by case.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -68,7 +69,11 @@ def run_cases(cases: dict[str, Callable[[], dict[str, Any]]], names: list[str] |
     (:func:`_disguised_failure`): the one GPU run a task may get must not read as "skipped" where modelpar broke.
     """
     results: dict[str, Any] = {}
+    rank = os.environ.get("RANK", "0")
     for name in names or list(cases):
+        # A crash (SIGSEGV in a kernel or in gloo) takes every result of the spawn with it: this line, and the
+        # stack faulthandler prints (scripts/gpu-check.sh sets PYTHONFAULTHANDLER), say which case it was in.
+        print(f"[gpu-suite] rank {rank} starts {name}", file=sys.stderr, flush=True)
         try:
             results[name] = {"ok": True, **(cases[name]() or {})}
         except SkipCase as skip:
