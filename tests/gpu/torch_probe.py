@@ -8,6 +8,12 @@ tensors, checking the values that come back. Each outcome is recorded with the c
 failed, the exception's type and message. A case that needs a call torch could not make here is skipped
 with that record (:func:`gpu_common.needs`); anything that fails later, inside modelpar, is the failure it is.
 
+Some calls crash the process instead of raising (torch 2.11 on an H200: ``_functional_collectives.all_gather_tensor``
+over gloo on CUDA tensors, which every DTensor ``redistribute`` and ``full_tensor`` to a gathered layout runs, dies
+with SIGSEGV, while ``dist.all_gather_into_tensor`` works). A crash would take every result of the cases' spawn
+with it, so :func:`probe_crashes` runs each such call in a spawn of its own first, from the test process, and
+:func:`probe` records its outcome beside the others (it travels in :data:`CRASH_ENV`).
+
 Then :func:`hand_over` destroys the probe's group and points ``MASTER_PORT`` at a fresh port, so the strategy
 creates its own group the way it would in a user's run: the probe's choices (no ``device_id``, the timeout)
 never stand in for modelpar's.
@@ -15,6 +21,7 @@ never stand in for modelpar's.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from harness import free_port
+from harness import free_port, run_distributed
 
 #: ``{name: {"call": the torch call made, "error": None or "ExceptionType: message"}}``, filled by :func:`probe`
 #: in each rank; what :func:`gpu_common.needs` consults.
@@ -31,6 +38,64 @@ PROBED: dict[str, dict[str, str | None]] = {}
 #: Outcomes that only inform (printed, never a reason to skip): building meshes is modelpar's job, and a torch
 #: limit there that modelpar works around must not hide the cases that show it does.
 INFORMATIONAL = ("init_device_mesh",)
+
+
+#: Calls that may crash the process rather than raise, each probed in a spawn of its own (:func:`probe_crashes`).
+CRASH_PROBES = {
+    "functional_all_gather": "torch.distributed._functional_collectives.all_gather_tensor(float32 {on}) on a"
+    " 1-D mesh (what DTensor's redistribute to a gathered layout and full_tensor run)",
+}
+#: The environment variable that carries :func:`probe_crashes`'s outcomes (JSON) into the cases' spawn.
+CRASH_ENV = "MODELPAR_GPU_SUITE_CRASH_PROBES"
+
+
+def probe_crashes(world_size: int, device_type: str) -> dict[str, str | None]:
+    """Run each of :data:`CRASH_PROBES` on ``world_size`` ranks of its own (torch alone); ``{name: None or error}``.
+
+    Called in the test process before the cases' spawn; the outcome goes into :data:`CRASH_ENV` for :func:`probe`.
+    """
+    outcomes: dict[str, str | None] = {}
+    for name in CRASH_PROBES:
+        try:
+            run_distributed(_crash_step, world_size, name, device_type, timeout=180)
+            outcomes[name] = None
+        except AssertionError as failed:
+            outcomes[name] = _crash_message(str(failed))
+    return outcomes
+
+
+def _crash_message(report: str) -> str:
+    """One line from the harness's report of failed ranks: a signal by name, else the exception's last line."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("process exited with code -"):
+            code = int(line.split("code ")[1].split()[0])
+            names = {-11: "SIGSEGV", -6: "SIGABRT", -7: "SIGBUS", -9: "SIGKILL"}
+            return f"crashed: {names.get(code, f'signal {-code}')} ({line})"
+    raised = [line for line in lines if not line.startswith(("---", "Traceback", "File ")) and ":" in line]
+    return (raised[-1] if raised else lines[-1] if lines else "failed with no report")[:200]
+
+
+def _crash_step(name: str, device_type: str) -> None:
+    """Inside each rank: the default group and a 1-D mesh with torch alone, then the call; raises on a wrong value."""
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+        mesh = init_device_mesh(device_type, (ws,))
+        if name == "functional_all_gather":
+            mine = torch.full((4,), float(rank + 1), device=device)
+            out = funcol.all_gather_tensor(mine, 0, mesh) * 1  # * 1 waits, as DTensor's use does
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            _expect(out, torch.arange(1, ws + 1).float().repeat_interleave(4))
+        else:
+            raise ValueError(f"no crash probe named {name!r}")
+    finally:
+        dist.destroy_process_group()
 
 
 def probe(device: torch.device, timeout: timedelta) -> dict[str, dict[str, str | None]]:
@@ -52,12 +117,15 @@ def probe(device: torch.device, timeout: timedelta) -> dict[str, dict[str, str |
             PROBED[name] = {"call": call, "error": "not run: init_process_group failed"}
         else:
             _record(name, call, run, device)
+    on = f"a {device.type} tensor"
+    for name, error in json.loads(os.environ.get(CRASH_ENV, "{}")).items():  # absent: needs() fails, not skips
+        PROBED[name] = {"call": CRASH_PROBES[name].format(on=on) + ", in a spawn of its own", "error": error}
     return dict(PROBED)
 
 
 def names() -> list[str]:
     """Every outcome :func:`probe` records, in its order."""
-    return ["init_process_group", *(name for name, _, _ in _steps(torch.device("cpu"), 2, 0))]
+    return ["init_process_group", *(name for name, _, _ in _steps(torch.device("cpu"), 2, 0)), *CRASH_PROBES]
 
 
 def hand_over() -> None:
