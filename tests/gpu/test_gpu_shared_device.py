@@ -110,11 +110,13 @@ def _worst_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def _train_like_reference(strategy: ModelParallelStrategy, model: nn.Module, ref: nn.Module) -> float:
-    """STEPS AdamW steps on both (each rank its data-parallel slice); the largest weight difference after (every
+def _train_like_reference(
+    strategy: ModelParallelStrategy, model: nn.Module, ref: nn.Module, optimizer_class: Any = torch.optim.AdamW
+) -> float:
+    """STEPS optimizer steps on both (each rank its data-parallel slice); the largest weight difference after (every
     rank's block against the reference's)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
+    ref_opt = optimizer_class(ref.parameters(), lr=1e-2)
     for x, y in global_batches(STEPS):
         lm_loss(model(_local_batch(strategy, x)), _local_batch(strategy, y)).backward()
         lm_loss(ref(x.to(device())), y.to(device())).backward()
@@ -190,7 +192,11 @@ def case_training_matches_the_one_process_cuda_model(tensor_parallel: bool = Fal
     figures = {}
     for replicate, dp, tp in _layouts(tensor_parallel):
         strategy = _strategy(dp, tp, data_parallel_replicate_size=replicate)
-        worst = _train_like_reference(strategy, _sharded(strategy), _reference())
+        # SGD, not AdamW: AdamW divides by the root of the second moment, so where a gradient is near zero the
+        # rounding difference between one process's reduction and the ranks' becomes a step of up to lr (on an
+        # H200: 2.7e-4 at 2 ranks, 9.5e-4 at 4 after 3 AdamW steps at lr 1e-2, where the gradients agree within
+        # 1e-6: the clipping case). SGD keeps the comparison as tight as the gradients.
+        worst = _train_like_reference(strategy, _sharded(strategy), _reference(), torch.optim.SGD)
         assert worst <= ATOL * 10, worst
         figures[f"{replicate}x{dp}x{tp}"] = worst
     return figures

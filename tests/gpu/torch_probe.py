@@ -85,6 +85,10 @@ def _crash_step(name: str, device_type: str) -> None:
     try:
         ws, rank = dist.get_world_size(), dist.get_rank()
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+        if device.type == "cuda":
+            # Every rank on GPU 0, as the cases' ranks are (their root device). Left to LOCAL_RANK, the mesh would
+            # pick cuda:1 on a one-GPU machine ("invalid device ordinal", not the crash the cases meet).
+            torch.cuda.set_device(device)
         mesh = init_device_mesh(device_type, (ws,))
         if name == "functional_all_gather":
             mine = torch.full((4,), float(rank + 1), device=device)
