@@ -15,7 +15,7 @@ rotates every repeat, so a change in the machine's load hits all alike):
   any set-up that gives every layout the one-process values (on CPU every rank has to draw them all);
 * ``parallelize_llama alone``: the sharding of the meta model that every other set-up variant includes;
 * ``modelpar materialize_module``: ``parallelize_llama`` + our ``materialize_module`` alone (no Fabric);
-* with ``--before-ref``: the same with ``materialize_module`` of ``src/modelpar/_materialize.py`` at that git
+* with ``--before-ref``: the same with ``materialize_module`` of ``src/modelpar/_init/materialize.py`` at that git
   revision (a self-contained module until this change), to compare before and after in one run.
 
 Per variant: wall time of the slowest rank, CPU time summed over the ranks (the work done: far less distorted
@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from modelpar import ModelParallelStrategy
-from modelpar._materialize import materialize_module
+from modelpar._init.materialize import materialize_module
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import parallelize_llama
 
@@ -105,14 +105,16 @@ def materialize_with(
 
 
 def materialize_at(ref: str, mesh: DeviceMesh) -> Callable[[LlamaConfig], Any]:
-    """``parallelize_llama`` + the ``materialize_module`` of ``_materialize.py`` at git revision ``ref``."""
+    """``parallelize_llama`` + the ``materialize_module`` of the materialization module at git revision ``ref``
+    (``_init/materialize.py``; ``_materialize.py`` before the package was grouped by concept)."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "-C", str(root), "show", f"{ref}:src/modelpar/_materialize.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    for where in ("src/modelpar/_init/materialize.py", "src/modelpar/_materialize.py"):
+        shown = subprocess.run(["git", "-C", str(root), "show", f"{ref}:{where}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            source = shown.stdout
+            break
+    else:
+        raise SystemExit(f"--before-ref {ref}: no materialization module there ({shown.stderr.strip()})")
     path = Path(tempfile.mkdtemp(prefix="bench-setup-")) / f"materialize_before_rank{dist.get_rank()}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("materialize_before", path)
@@ -146,7 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="small", choices=sorted(bench_checkpoint.SIZES))
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--before-ref", default=None, help="also time _materialize.py at this git revision")
+    parser.add_argument("--before-ref", default=None, help="also time the materialization module at this git revision")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Lightning's DTensor-random and our set-up notes are not measured here
     dist.init_process_group("gloo")

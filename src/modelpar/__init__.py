@@ -7,7 +7,6 @@ FSDP2 policies), mesh-aware gradient clipping, the :mod:`modelpar.checkpoint` fo
 plans live in :mod:`modelpar.plans`, small reference models in :mod:`modelpar.models`.
 """
 
-from modelpar._clip import clip_grad_norm, clip_grad_value
 from modelpar._errors import (
     CheckpointKeyError,
     CheckpointNotFoundError,
@@ -18,11 +17,13 @@ from modelpar._errors import (
     UnsupportedStyleError,
     WeightsOnlyError,
 )
-from modelpar._estimate import MemoryEstimate, estimate_memory
-from modelpar._fsdp import fsdp_kwargs
-from modelpar._mesh import HSDP_MESH_AXES, MESH_AXES, MeshLayout, fsdp_mesh
-from modelpar._precision import SUPPORTED_PRECISIONS
+from modelpar._mesh.layout import HSDP_MESH_AXES, MESH_AXES, MeshLayout
+from modelpar._mesh.submeshes import fsdp_mesh
+from modelpar._strategy.precision import SUPPORTED_PRECISIONS
+from modelpar._train.clip import clip_grad_norm, clip_grad_value
+from modelpar._train.fsdp import fsdp_kwargs
 from modelpar.fabric import ModelParallelStrategy
+from modelpar.memory import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0.dev0"
 

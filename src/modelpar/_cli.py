@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from modelpar._estimate import OPTIMIZER_STATES
-    from modelpar._precision import SUPPORTED_PRECISIONS
+    from modelpar._strategy.precision import SUPPORTED_PRECISIONS
+    from modelpar.memory._estimate import OPTIMIZER_STATES
 
     estimate = commands.add_parser(
         "estimate",
@@ -133,8 +133,8 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
 
 
 def _estimate(args: argparse.Namespace) -> None:
-    from modelpar._estimate import estimate_memory, hf_on_meta, llama_on_meta
-    from modelpar._layout_search import format_fits, parse_memory, search_layouts
+    from modelpar.memory._estimate import estimate_memory, hf_on_meta, llama_on_meta
+    from modelpar.memory._search import format_fits, parse_memory, search_layouts
 
     if args.search and (args.world_size is None or args.gpu_memory is None or args.seq_len is None):
         args.subparser.error("--search needs --world-size, --gpu-memory and --seq-len")

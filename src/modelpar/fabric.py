@@ -25,14 +25,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from modelpar._adapter import CoreStrategyMixin
-from modelpar._core import ParallelCore, ParallelizeFn
-from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce, detect_cluster
-from modelpar._grad_sync import AccumulationMode
-from modelpar._lightning import register_in_every_namespace
-from modelpar._mesh import SizeArg
-from modelpar._precision import check_precision, without_autocast
-from modelpar._watchdog import DEFAULT_PEER_TIMEOUT
+from modelpar._mesh.cluster import detect_cluster
+from modelpar._mesh.layout import SizeArg
+from modelpar._mesh.process_group import DEFAULT_TIMEOUT, all_reduce
+from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT
+from modelpar._strategy.adapter import CoreStrategyMixin
+from modelpar._strategy.core import ParallelCore, ParallelizeFn
+from modelpar._strategy.lightning import register_in_every_namespace
+from modelpar._strategy.options import StrategyOptions
+from modelpar._strategy.precision import check_precision, without_autocast
+from modelpar._train.grad_sync import AccumulationMode
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,7 +62,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     silently turn ``"16-mixed"`` into ``"bf16-mixed"`` on CPU). None of Lightning's logic is used: every
     hook is overridden here and forwards to the shared core, and Lightning's ``__init__`` is not called.
     It serves ``lightning.fabric.Fabric`` (``import lightning as L``) and ``lightning_fabric.Fabric`` alike
-    (see ``modelpar._lightning``).
+    (see ``modelpar._strategy.lightning``).
 
     Usage with Fabric::
 
@@ -157,21 +159,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         self._core = ParallelCore(
             strategy_name=type(self).__name__,
             parallelize_fn=fn,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            async_save=async_save,
-            storage_options=storage_options,
-            data_parallel_replicate_size=data_parallel_replicate_size,
-            context_parallel_size=context_parallel_size,
-            expert_parallel_size=expert_parallel_size,
-            mixed_precision=mixed_precision,
-            cpu_offload=cpu_offload,
-            reshard_after_forward=reshard_after_forward,
-            gradient_accumulation=gradient_accumulation,
-            peer_timeout=peer_timeout,
+            options=StrategyOptions.pick(locals()),
         )
         self._quiet_precision: tuple[Precision, Precision] | None = None  # (plugin, its copy without autocast)
         ParallelStrategy.__init__(  # skip Lightning's __init__: its state is unused here
@@ -292,7 +280,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        """Clip by the global norm over all meshes the gradients live on (see ``modelpar._clip``)."""
+        """Clip by the global norm over all meshes the gradients live on (see ``modelpar._train.clip``)."""
         self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
         return self._core.clip_gradients_norm(params, float(max_norm), float(norm_type), error_if_nonfinite)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from modelpar._lightning import classes, installed, load, register_in_every_namespace
+from modelpar._strategy.lightning import classes, installed, load, register_in_every_namespace
 
 if not installed("pytorch"):  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -33,13 +33,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from modelpar._adapter import CoreStrategyMixin
-from modelpar._core import ParallelCore, ParallelizeFn
-from modelpar._distributed import DEFAULT_TIMEOUT, all_reduce
-from modelpar._grad_sync import AccumulationMode
-from modelpar._mesh import SizeArg
-from modelpar._precision import without_autocast
-from modelpar._watchdog import DEFAULT_PEER_TIMEOUT
+from modelpar._mesh.layout import SizeArg
+from modelpar._mesh.process_group import DEFAULT_TIMEOUT, all_reduce
+from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT
+from modelpar._strategy.adapter import CoreStrategyMixin
+from modelpar._strategy.core import ParallelCore, ParallelizeFn
+from modelpar._strategy.options import StrategyOptions
+from modelpar._strategy.precision import without_autocast
+from modelpar._train.grad_sync import AccumulationMode
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 from modelpar.checkpoint._remote import RemotePath, withdraw
 from modelpar.checkpoint._state import state_dict_options
@@ -65,7 +66,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     ``configure_model``. Subclasses Lightning's ``ModelParallelStrategy`` only so that the Trainer's
     ``isinstance`` checks (precision validation, "is distributed") treat it as one; Lightning's ``__init__``
     is not called and every hook with behaviour is overridden. One class serves both Lightning namespaces
-    (``import lightning as L`` and ``import pytorch_lightning as pl``; see ``modelpar._lightning``): the
+    (``import lightning as L`` and ``import pytorch_lightning as pl``; see ``modelpar._strategy.lightning``): the
     LightningModule, optimizers and plugins it is given may come from either.
 
     Args:
@@ -111,21 +112,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         self._core = ParallelCore(
             strategy_name=f"{type(self).__module__}.{type(self).__name__}",
             parallelize_fn=fn,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            async_save=async_save,
-            storage_options=storage_options,
-            data_parallel_replicate_size=data_parallel_replicate_size,
-            context_parallel_size=context_parallel_size,
-            expert_parallel_size=expert_parallel_size,
-            mixed_precision=mixed_precision,
-            cpu_offload=cpu_offload,
-            reshard_after_forward=reshard_after_forward,
-            gradient_accumulation=gradient_accumulation,
-            peer_timeout=peer_timeout,
+            options=StrategyOptions.pick(locals()),
         )
         self._quiet_precision: tuple[Precision, Precision] | None = None  # (plugin, its copy without autocast)
         ParallelStrategy.__init__(self)  # skip Lightning's __init__: its state is unused here

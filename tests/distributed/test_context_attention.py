@@ -165,7 +165,7 @@ def case_loss(mesh: DeviceMesh, *, tensor_parallel: bool = False) -> dict[str, f
         loss = cross_entropy(head(batch["inputs_embeds"]), batch["labels"], mesh)
         loss.backward()
         grad = head.weight.grad
-    from modelpar._mesh import token_mesh
+    from modelpar._mesh.submeshes import token_mesh
 
     tokens = mesh if mesh.mesh_dim_names == ("context_parallel",) else token_mesh(mesh)
     group = tokens.get_group()

@@ -21,7 +21,7 @@ from torch import nn
 
 from harness import PG_TIMEOUT, run_distributed
 from modelpar import ModelParallelStrategy
-from modelpar._groups import group_timeout
+from modelpar._mesh.groups import group_timeout
 from modelpar.models import Llama
 from modelpar.plans import parallelize_llama
 from parity import (

@@ -21,7 +21,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from harness import PG_TIMEOUT
 from hf_tiny import TINY_SIZES
-from modelpar._mesh import MeshLayout, token_mesh
+from modelpar._mesh.layout import MeshLayout
+from modelpar._mesh.submeshes import token_mesh
 from parity import error_text
 
 COEF = 1.0  # large, so the aux loss moves the router gradients well above the tolerance

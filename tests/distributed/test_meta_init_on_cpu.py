@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from harness import run_distributed
-from modelpar._materialize import materialize_module
+from modelpar._init.materialize import materialize_module
 from modelpar.models import Llama
 from modelpar.models.moe import GroupedExperts
 from modelpar.plans import llama_tp_plan
@@ -314,7 +314,7 @@ def test_meta_init_gives_every_rank_its_slice_of_the_single_process_model_on_eve
 class Uneven(nn.Module):
     """Dims 7, 9, 13 (none divides by 2 or 3), so FSDP over TP leaves pieces of different sizes.
 
-    Also fused experts, drawn a few experts at a time (``modelpar._expert_blocks``): 7 experts of 48 elements
+    Also fused experts, drawn a few experts at a time (``modelpar._init.expert_blocks``): 7 experts of 48 elements
     (one a block), FSDP on the expert dim and TP on the other, and 40 of 15 elements (blocks of 16 and 24 experts)
     under a root ``init_weights`` that draws them with ``normal_`` (Box-Muller 16 at a time) and ``trunc_normal_``.
     """

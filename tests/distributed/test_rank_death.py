@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from harness import free_port
-from modelpar._watchdog import PEER_LOST_EXIT_CODE
+from modelpar._mesh.watchdog import PEER_LOST_EXIT_CODE
 
 SCRIPT = Path(__file__).with_name("rank_death_script.py")
 PEER_TIMEOUT = 3.0  # seconds; heartbeats every 0.5 s

@@ -87,7 +87,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.environments import TorchElasticEnvironment
 
-from modelpar._distributed import init_process_group
+from modelpar._mesh.process_group import init_process_group
 
 init_process_group(TorchElasticEnvironment(), "gloo", None, torch.device("cpu"))
 world, held = dist.group.WORLD, dist.new_group()  # as a model's FSDP state or a device mesh keeps them

@@ -395,7 +395,7 @@ def case_hf_load_and_save_with_and_without_offload() -> dict[str, Any]:
             load_diff = max_abs_diff(got, want)
             assert load_diff <= 1e-5, load_diff
             if offload:  # NCCL cannot gather CPU shards: the export moves each one to the GPU first
-                from modelpar._collective import collective_ready
+                from modelpar._mesh.collective import collective_ready
 
                 shard = next(p for p in model.parameters() if isinstance(p, DTensor))
                 ready = collective_ready(shard)

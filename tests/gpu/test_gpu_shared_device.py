@@ -534,7 +534,7 @@ def _assert_reported_as_a_failure(results: list[dict[str, Any]], name: str, erro
     for rank, result in enumerate(r[name] for r in results):
         assert result["ok"] is False, f"rank {rank}: {result}"
         assert result["error"].startswith("Traceback (most recent call last):"), result["error"]
-        assert os.path.join("modelpar", "_mesh.py") in result["error"], result["error"]
+        assert os.path.join("modelpar", "_mesh", "layout.py") in result["error"], result["error"]
         assert error in result["error"], result["error"]
     try:
         check(results, name)

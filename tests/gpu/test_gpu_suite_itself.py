@@ -101,7 +101,7 @@ def test_a_skip_raised_from_inside_modelpars_code_is_reported_as_a_failure() -> 
 def test_a_failed_case_reports_its_own_error_on_the_first_line() -> None:
     tb = (
         "Traceback (most recent call last):\n"
-        '  File "src/modelpar/_mesh.py", line 379, in build\n'
+        '  File "src/modelpar/_mesh/layout.py", line 379, in build\n'
         "    mesh = init_device_mesh(...)\n"
         "RuntimeError: No device(s) specified\n"
     )

@@ -7,7 +7,7 @@ ask :func:`collective_device`. The GPU suite runs the moves themselves (``cpu_of
 import pytest
 import torch
 
-from modelpar._collective import collective_device, served_device_types
+from modelpar._mesh.collective import collective_device, served_device_types
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from lightning_fabric.plugins.environments import (
 )
 
 from modelpar import MeshLayout
-from modelpar._distributed import (
+from modelpar._mesh.cluster import (
     LauncherEnvironment,
     cuda_device_index,
     detect_cluster,

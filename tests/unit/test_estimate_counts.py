@@ -204,7 +204,7 @@ def test_cli_estimates_a_hugging_face_config_like_the_same_llama(tmp_path, capsy
         tie_word_embeddings=False,
     )
     config.save_pretrained(tmp_path)
-    from modelpar._estimate import hf_on_meta
+    from modelpar.memory._estimate import hf_on_meta
 
     model, plan = hf_on_meta(tmp_path / "config.json")
     assert plan.fsdp_units == ("model.layers.*",)
@@ -253,7 +253,7 @@ HF_8B = {
 
 
 def test_gpu_memory_sizes_parse_in_binary_and_decimal_units():
-    from modelpar._layout_search import parse_memory
+    from modelpar.memory._search import parse_memory
 
     assert parse_memory("80GiB") == 80 * 2**30
     assert parse_memory("80GB") == 80 * 10**9

@@ -16,7 +16,7 @@ import torch
 
 from modelpar import MeshSizeError, estimate_memory
 from modelpar._cli import main
-from modelpar._layout_search import format_fits, search_layouts
+from modelpar.memory._search import format_fits, search_layouts
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN
 

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from modelpar import ModelParallelStrategy
-from modelpar._fsdp import FSDPOptions
+from modelpar._train.fsdp import FSDPOptions
 
 CPU = torch.device("cpu")
 
@@ -82,7 +82,7 @@ def test_only_the_derived_bf16_policy_casts_the_root_outputs_to_fp32():
 
 
 def test_fused_experts_fewer_than_the_shard_ranks_are_sharded_evenly_on_a_later_dim() -> None:
-    from modelpar._fsdp import fsdp_shard_dim
+    from modelpar._train.fsdp import fsdp_shard_dim
 
     assert fsdp_shard_dim((8, 28672, 4096), 32) == 1  # Mixtral's gate_up over 32 ranks: not 8 whole experts
     assert fsdp_shard_dim((8, 4096, 14336), 32) == 1

@@ -21,8 +21,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modelpar._expert_blocks import blocks_equal_one_draw, expert_blocks, is_fused_experts
-from modelpar._materialize import materialize_module
+from modelpar._init.expert_blocks import blocks_equal_one_draw, expert_blocks, is_fused_experts
+from modelpar._init.materialize import materialize_module
 from modelpar.models import Llama, LlamaConfig
 from modelpar.models.moe import GroupedExperts
 
@@ -278,7 +278,7 @@ def test_a_reset_parameters_that_recreates_a_tensor_on_meta_raises() -> None:
 
 
 def test_full_size_buffers_are_reused_from_tensor_to_tensor_and_hold_no_more_than_were_in_use_at_once() -> None:
-    from modelpar._full_size import Scratch
+    from modelpar._init.full_size import Scratch
 
     scratch = Scratch()
     like = torch.empty(4, 6)

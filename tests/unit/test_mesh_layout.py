@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 
 from modelpar import MeshLayout, MeshSizeError
-from modelpar._groups import binds_device, world_group_reusable
+from modelpar._mesh.groups import binds_device, world_group_reusable
 
 
 def resolve(dp, tp, world=4, nodes=1, per_node=4):

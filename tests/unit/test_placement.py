@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from modelpar._placement import materialization_device, materialize, move_to_device, offloads, tensor_device
+from modelpar._init.placement import materialization_device, materialize, move_to_device, offloads, tensor_device
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 

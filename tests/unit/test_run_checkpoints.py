@@ -97,7 +97,7 @@ def test_signal_handlers_can_only_be_installed_from_the_main_thread(tmp_path):
 
 
 def test_each_torchrun_attempt_rendezvous_under_its_own_keys_in_the_agents_store():
-    from modelpar._distributed import restart_store_prefix
+    from modelpar._mesh.process_group import restart_store_prefix
 
     agent = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert restart_store_prefix({**agent, "TORCHELASTIC_RESTART_COUNT": "0"}) == "modelpar/attempt_0"

@@ -1,4 +1,4 @@
-"""The peer watchdog's decisions, on a real in-memory c10d store and no process group (``modelpar._watchdog``)."""
+"""The peer watchdog's decisions, on a real in-memory c10d store and no process group (``modelpar._mesh.watchdog``)."""
 
 import math
 import re
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar import ModelParallelStrategy
-from modelpar._watchdog import (
+from modelpar._mesh.watchdog import (
     DEFAULT_PEER_TIMEOUT,
     PEER_LOST_EXIT_CODE,
     PeerWatchdog,

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import shutil
-import struct
-import zipfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +35,7 @@ from typing_extensions import override
 from modelpar._errors import CorruptCheckpointError, WeightsOnlyError
 from modelpar.checkpoint._commit import commit, new_token, remove_stale, staging_path
 from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause, single_process
+from modelpar.checkpoint._file_layout import ReusedBuffer, storage_offsets, write_at
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, CheckpointFormat
 from modelpar.checkpoint._inspect import (
     is_state_entry,
@@ -204,63 +202,6 @@ def _dcp_load(state: dict[str, Any], reader: CachedReader, src: Path) -> None:
         ) from err
 
 
-def _data_records(path: Path) -> list[tuple[int, int]]:
-    """(offset, size) of every non-empty storage record in a ``torch.save`` zip file, in file order."""
-    records = []
-    with zipfile.ZipFile(path) as archive, path.open("rb") as file:
-        for info in archive.infolist():
-            if info.file_size and re.search(r"(^|/)data/\d+$", info.filename):
-                file.seek(info.header_offset)
-                name_length, extra_length = struct.unpack("<HH", file.read(30)[26:30])
-                records.append((info.header_offset + 30 + name_length + extra_length, info.file_size))
-    return sorted(records)
-
-
-def _storage_offsets(staged: Path, paths: Sequence[Path_]) -> list[int | None]:
-    """Where each tensor's bytes go in the laid-out file (``None``: empty, nothing to write).
-
-    The file memory-mapped (nothing is read) puts each storage at ``base + offset``, and the zip directory
-    lists the records' offsets; both in file order, they pair up, and sizes and spacing must agree exactly.
-    """
-    # weights_only=False: our own file, whose non-tensor values DCP has just unpickled from the same source.
-    mapped = torch.load(staged, mmap=True, map_location="cpu", weights_only=False)
-    storages = [_get(mapped, path).untyped_storage() for path in paths]
-    placed = sorted((s.data_ptr(), s.nbytes(), i) for i, s in enumerate(storages) if s.nbytes())
-    records = _data_records(staged)
-    consistent = len(placed) == len(records) and all(
-        size == record_size and ptr - offset == placed[0][0] - records[0][0]
-        for (ptr, size, _), (offset, record_size) in zip(placed, records, strict=True)
-    )
-    if not consistent:
-        raise RuntimeError(
-            f"The file layout `torch.save` wrote to {str(staged)!r} is not the one expected ({len(records)} records"
-            f" for {len(placed)} tensors). Please report this with your torch version ({torch.__version__})."
-        )
-    offsets: list[int | None] = [None] * len(paths)
-    for (_, _, index), (offset, _) in zip(placed, records, strict=True):
-        offsets[index] = offset
-    return offsets
-
-
-class _Buffer:
-    """One allocation reused for every tensor, grown to the largest.
-
-    A fresh tensor per read would do the same work, but glibc serves allocations under 32 MiB from its heap
-    once a freed block of that size raised its mmap threshold, and the heap fragments: resident memory then
-    creeps up to several tensors' worth instead of one.
-    """
-
-    def __init__(self) -> None:
-        self._storage = torch.empty(0, dtype=torch.uint8)
-
-    def view(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = shape.numel() * dtype.itemsize
-        if nbytes > self._storage.numel():
-            self._storage = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-            self._storage = torch.empty(nbytes, dtype=torch.uint8)
-        return self._storage[:nbytes].view(dtype).view(shape)
-
-
 def _tensors_in(value: Any, path: Path_) -> Iterator[tuple[Path_, torch.Tensor]]:
     """Tensors reachable through dicts, lists and tuples, with their paths (metadata may hold a few)."""
     if isinstance(value, torch.Tensor):
@@ -271,11 +212,6 @@ def _tensors_in(value: Any, path: Path_) -> Iterator[tuple[Path_, torch.Tensor]]
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             yield from _tensors_in(item, (*path, index))
-
-
-def _write_at(file: io.BufferedRandom, tensor: torch.Tensor, offset: int) -> None:
-    file.seek(offset)
-    file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _out_dtype(meta: TensorStorageMetadata, kind: Kind, dtype: torch.dtype | None) -> torch.dtype:
@@ -371,20 +307,20 @@ def convert_to_file(
             torch.save(layout, staged)
         del layout
         meta_tensors = list(_tensors_in(metadata, ()))  # e.g. a ModelCheckpoint's best score in meta.pt
-        offsets = _storage_offsets(staged, [item.path for item, _ in tensors] + [path for path, _ in meta_tensors])
+        offsets = storage_offsets(staged, [item.path for item, _ in tensors] + [path for path, _ in meta_tensors], _get)
         with staged.open("r+b") as file:
             for (_, value), offset in zip(meta_tensors, offsets[len(tensors) :], strict=True):
                 if offset is not None:  # its whole storage: that is what torch.save records
                     raw = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
-                    _write_at(file, raw, offset)
-            read_buffer, cast_buffer = _Buffer(), _Buffer()
+                    write_at(file, raw, offset)
+            read_buffer, cast_buffer = ReusedBuffer(), ReusedBuffer()
             for (item, meta), offset in zip(tensors, offsets[: len(tensors)], strict=True):
                 tensor = read_buffer.view(meta.size, meta.properties.dtype)
                 _dcp_load({item.key: tensor}, reader, src_path)
                 if out_dtypes[item.key] != tensor.dtype:
                     tensor = cast_buffer.view(meta.size, out_dtypes[item.key]).copy_(tensor)
                 if offset is not None:
-                    _write_at(file, tensor, offset)
+                    write_at(file, tensor, offset)
                 bar.advance(tensor.numel() * tensor.element_size())
         commit(dst_path, staged, token)  # fsyncs the file before renaming it into place
     bar.finish(dst_path)

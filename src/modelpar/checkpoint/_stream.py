@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from modelpar._blocks import local_block as _local_block
-from modelpar._blocks import shard_block
 from modelpar._errors import CheckpointKeyError, CheckpointShapeError
+from modelpar._init.blocks import local_block as _local_block
+from modelpar._init.blocks import shard_block
 from modelpar.checkpoint._names import clean_name, named_parameters_clean
 from modelpar.checkpoint._rekey import optimizer_state_to_names
 

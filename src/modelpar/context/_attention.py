@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from modelpar._mesh import CONTEXT_PARALLEL_AXIS
+from modelpar._mesh.layout import CONTEXT_PARALLEL_AXIS
 from modelpar.context._layout import check_sequence_length, context_mesh, gather_sequence
 
 __all__ = ["ContextParallelAttention", "context_parallel_attention", "share_kv_heads_in_sdpa"]

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from modelpar._mesh import context_parallel_mesh
+from modelpar._mesh.submeshes import context_parallel_mesh
 
 __all__ = [
     "check_sequence_length",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from modelpar._mesh import token_mesh
+from modelpar._mesh.submeshes import token_mesh
 
 __all__ = ["cross_entropy"]
 

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelpar._mesh import CONTEXT_PARALLEL_AXIS, MESH_AXES, token_mesh
+from modelpar._mesh.layout import CONTEXT_PARALLEL_AXIS, MESH_AXES
+from modelpar._mesh.submeshes import token_mesh
 from modelpar.moe import sum_over_group
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from modelpar._collective import collective_ready
+from modelpar._mesh.collective import collective_ready
 from modelpar.checkpoint._agree import agree
 from modelpar.checkpoint._progress import Progress
 from modelpar.checkpoint._remote import RemotePath, to_location, upload

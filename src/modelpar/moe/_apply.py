@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from modelpar._fsdp import fsdp_kwargs
+from modelpar._train.fsdp import fsdp_kwargs
 from modelpar.moe._dispatch import ExpertParallel
 from modelpar.moe._layout import expert_fsdp_mesh, expert_parallel_mesh, token_ranks
 from modelpar.moe._routed import expert_parallel_experts, routed_experts_size, shard_over

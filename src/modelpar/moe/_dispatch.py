@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from modelpar._mesh import token_mesh
+from modelpar._mesh.submeshes import token_mesh
 from modelpar.moe._layout import expert_parallel_mesh
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Where experts live on the strategy's mesh: the expert axis, and the mesh the experts' FSDP shards over.
 
-See ``modelpar._mesh`` for the layout: the expert axis (``"expert_parallel"``) borrows the inner ranks of the
+See ``modelpar._mesh.layout`` for the layout: the expert axis (``"expert_parallel"``) borrows the inner ranks of the
 data-parallel shard ranks; ``"expert_data_parallel"`` (x ``"data_parallel_replicate"`` under HSDP) are the ranks that
 hold the same experts, over which FSDP shards them. Every token rank (``"data_parallel"``) sees distinct tokens, so
 the expert gradients, summed over the expert axis by the all-to-all's backward, are averaged over all of them.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modelpar._mesh import EXPERT_PARALLEL_AXIS, EXPERT_SHARD_AXIS, HSDP_MESH_AXES, token_mesh
+from modelpar._mesh.layout import EXPERT_PARALLEL_AXIS, EXPERT_SHARD_AXIS, HSDP_MESH_AXES
+from modelpar._mesh.submeshes import token_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from modelpar._mesh import context_parallel_mesh
+from modelpar._mesh.submeshes import context_parallel_mesh
 from modelpar.plans._checks import resolve_modules
 
 __all__ = ["KERNEL_ATTRIBUTE", "apply_context_parallel", "attention_modules", "is_hugging_face"]

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from modelpar._fsdp import fsdp_kwargs
-from modelpar._mesh import context_parallel_mesh
+from modelpar._mesh.submeshes import context_parallel_mesh
+from modelpar._train.fsdp import fsdp_kwargs
 from modelpar.moe._layout import expert_parallel_mesh
 from modelpar.plans._checkpointing import checkpoint_module
 from modelpar.plans._checks import (

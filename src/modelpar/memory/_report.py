@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from modelpar._activations import ActivationEstimate
-from modelpar._grad_sync import AccumulationMode
-from modelpar._mesh import MeshLayout
+from modelpar._mesh.layout import MeshLayout
+from modelpar._train.grad_sync import AccumulationMode
+from modelpar.memory._activations import ActivationEstimate
 
 __all__ = ["MemoryEstimate", "dtype_name"]
 

@@ -10,7 +10,7 @@ import copy
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
-from modelpar._lightning import classes
+from modelpar._strategy.lightning import classes
 
 __all__ = ["SUPPORTED_PRECISIONS", "check_precision", "without_autocast"]
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from modelpar._mesh import fsdp_mesh
+from modelpar._mesh.submeshes import fsdp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

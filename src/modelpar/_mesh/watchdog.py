@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -38,12 +37,12 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
-from modelpar._peers import RankProcess, StoreCall, parse_neighbours
+from modelpar._mesh.lost_peer import PEER_LOST_EXIT_CODE, hook_in, hook_out, lost_peer_message, record_for_torchrun
+from modelpar._mesh.peers import RankProcess, StoreCall, parse_neighbours
 
 __all__ = [
     "DEFAULT_PEER_TIMEOUT",
@@ -62,10 +61,6 @@ PeerTimeoutArg = float | int | timedelta | None
 #: Seconds without a heartbeat after which a peer counts as lost: far above a heartbeat's period (a few seconds),
 #: far below the 30-minute collective timeout.
 DEFAULT_PEER_TIMEOUT = 30.0
-
-#: Exit status of a process the watchdog ends: ``EX_TEMPFAIL`` ("temporary failure, try again"), as restarting the
-#: job and resuming from the last checkpoint is the remedy, and distinct from a crash's 1 or a signal's negative code.
-PEER_LOST_EXIT_CODE = 75
 
 #: Added to a heartbeat counter by a rank that stops normally: a counter at or above it means "finished, not dead".
 _FINISHED = 1 << 40
@@ -119,18 +114,6 @@ _GLANCE = 0.1
 _LAST_WORDS = 2.0
 
 
-def lost_peer_message(*, rank: int, what: str, peer_timeout: float, reported_by: int | None = None) -> str:
-    """The error a rank prints before the watchdog ends it: who is lost, why this rank stops, what to do."""
-    source = f"rank {reported_by} found that " if reported_by is not None and reported_by != rank else ""
-    return (
-        f"modelpar: ending rank {rank} (exit code {PEER_LOST_EXIT_CODE}) because {source}{what}. The other ranks"
-        " would otherwise wait in their next collective until the process-group timeout. Find why it stopped in"
-        " its own log, and for a SIGKILL in the kernel log (`dmesg`: the OOM killer), then restart the job (e.g."
-        " `torchrun --max-restarts`) and resume from the last checkpoint. Bound: the strategy's"
-        f" `peer_timeout={peer_timeout:g}` seconds (None turns this watchdog off)."
-    )
-
-
 class PeerWatchdog:
     """One rank's heartbeat thread over the job's store; see the module docstring. Start and stop are idempotent."""
 
@@ -169,7 +152,7 @@ class PeerWatchdog:
             # skip atexit), and it then marks this rank finished, so a rank that ends first is not taken for dead.
             self._thread = threading.Thread(target=self._run, name="modelpar-peer-watchdog")
             self._thread.start()
-            _hook_in(self)
+            hook_in(self)
         return self
 
     @property
@@ -188,7 +171,7 @@ class PeerWatchdog:
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=self.interval + _LAST_WORDS)
             StoreCall.drain(_LAST_WORDS)  # none may return during finalization: that aborts the process
-        _hook_out(self)
+        hook_out(self)
 
     # -- the thread ----------------------------------------------------------------------------------------
     def _exchange(self) -> tuple[str | None, int]:
@@ -289,7 +272,7 @@ class PeerWatchdog:
             return  # stopped meanwhile: a normal end, not a death
         message = lost_peer_message(rank=self.rank, what=what, peer_timeout=self.peer_timeout, reported_by=reported_by)
         print(message, file=sys.stderr, flush=True)
-        _record_for_torchrun(message)
+        record_for_torchrun(message)
         if publish:  # else the others find out by their own clocks
             with contextlib.suppress(Exception):
                 StoreCall(lambda: self.store.set(self._key("lost"), f"{self.rank}\t{what}")).wait(_LAST_WORDS)
@@ -317,49 +300,6 @@ class PeerWatchdog:
                 " error of its own, caused the others' errors)"
             )
         return self._describe(exited[0], "") if exited else None
-
-
-_running: list[PeerWatchdog] = []  # the started, not yet stopped watchdogs of this process (usually one)
-_previous_hook: Any = None
-
-
-def _hook_in(watchdog: PeerWatchdog) -> None:
-    """Install :func:`_report_lost_peer` as ``sys.excepthook`` while a watchdog runs (once, chained)."""
-    global _previous_hook
-    _running.append(watchdog)
-    if sys.excepthook is not _report_lost_peer:
-        _previous_hook, sys.excepthook = sys.excepthook, _report_lost_peer
-
-
-def _hook_out(watchdog: PeerWatchdog) -> None:
-    if watchdog in _running:
-        _running.remove(watchdog)
-    if not _running and sys.excepthook is _report_lost_peer:
-        sys.excepthook = _previous_hook
-
-
-def _report_lost_peer(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
-    """After the traceback of an uncaught error, name the process whose death most likely caused it, if found."""
-    (_previous_hook or sys.__excepthook__)(kind, error, trace)
-    for watchdog in list(_running):
-        found = watchdog.diagnose() if not isinstance(error, KeyboardInterrupt) else None
-        if found is not None:
-            print(
-                f"modelpar: rank {watchdog.rank} failed with the error above, most likely because {found}. Find why"
-                " in that process's log (for a SIGKILL: `dmesg`, the OOM killer), then restart the job and resume"
-                " from the last checkpoint.",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-def _record_for_torchrun(message: str) -> None:
-    """Under torchrun, leave the message where its failure summary shows it (``TORCHELASTIC_ERROR_FILE``): the
-    root cause then reads as this message instead of a bare exit code."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 _active: PeerWatchdog | None = None

@@ -19,7 +19,7 @@ Per decoder layer, without checkpointing:
   them before the kernel, as ``modelpar.models.Llama`` does; ``g`` heads when the kernel does grouped-query
   attention itself, as Hugging Face's SDPA path does), its output and its log-sum-exp (fp32, per head and token);
 - the SwiGLU MLP keeps the gate and up projections' outputs, the SiLU output and their product: ``4 b s f a``;
-  a mixture-of-experts layer keeps its router's and experts' tensors instead (:mod:`modelpar._moe_estimate`).
+  a mixture-of-experts layer keeps its router's and experts' tensors instead (:mod:`modelpar.memory._moe`).
 
 ``"full"`` checkpointing keeps only each checkpointed layer's input (``b s d a``); ``"selective"`` keeps the
 layer input and the outputs of the ops in ``plans._checkpointing.SAVED_OPS``: the q/k/v, output, gate, up and
@@ -33,7 +33,7 @@ cos / sin indexed by position (``2 x 2 x b s e/2`` fp32 per layer).
 
 The layers a plan compiles (``ParallelPlan(compile=True)``) keep less: inductor's partitioner recomputes the
 pointwise chains (the norms' casts and normalization, SiLU, RoPE) and keeps the rest
-(:mod:`modelpar._compiled_activations`); outside the layers nothing changes.
+(:mod:`modelpar.memory._compiled`); outside the layers nothing changes.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from modelpar._compiled_activations import LayerTerms, compiled_terms
-from modelpar._moe_estimate import MoEShape, moe_layer_bytes, moe_shape
+from modelpar.memory._compiled import LayerTerms, compiled_terms
+from modelpar.memory._moe import MoEShape, moe_layer_bytes, moe_shape
 from modelpar.plans._plan import ParallelPlan
 
 __all__ = [
@@ -75,7 +75,7 @@ class DecoderShape:
     repeats_kv: bool  # K and V repeated to every query head before the attention kernel
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     rope_tables: bool  # cos / sin computed per forward and kept once (Hugging Face)
-    moe: MoEShape | None = None  # the MoE layers (modelpar._moe_estimate), None for a dense model
+    moe: MoEShape | None = None  # the MoE layers (modelpar.memory._moe), None for a dense model
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def activation_bytes(
     """What one rank keeps from forward for backward, by part (see the module docstring for each term).
 
     ``compiled``: indices of the layers the plan compiles, counted as inductor's partitioner keeps them
-    (:mod:`modelpar._compiled_activations`).
+    (:mod:`modelpar.memory._compiled`).
     """
     a, s = act_bytes, seq_len // cp
     rows = batch * s

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from modelpar._estimate import MemoryEstimate, estimate_memory
+from modelpar.memory._estimate import MemoryEstimate, estimate_memory
 from modelpar.plans._experts import experts_name, moe_modules
 from modelpar.plans._plan import ParallelPlan
 

@@ -5,9 +5,9 @@ costs no memory) and the plan's data: which dimension each tensor-parallel style
 FSDP units. It then shards dim 0 of every parameter over the FSDP shard group exactly as ``fully_shard`` does
 (padded chunks of ``ceil(dim0 / shard)`` rows, the same allocation on every rank) and adds up parameters,
 gradients, optimizer states and the largest unit while it is all-gathered. No process group, no device.
-Given a sequence length it adds the activations (:mod:`modelpar._activations`) and FSDP2's transient buffers
-and reports the peak per rank (the rule: :mod:`modelpar._transients`). Mixtures of experts, under expert
-parallelism too: :mod:`modelpar._moe_estimate`.
+Given a sequence length it adds the activations (:mod:`modelpar.memory._activations`) and FSDP2's transient buffers
+and reports the peak per rank (the rule: :mod:`modelpar.memory._transients`). Mixtures of experts, under expert
+parallelism too: :mod:`modelpar.memory._moe`.
 
 A plain ``parallelize_fn`` is code, not data: what it does is known only by running it, so it is refused.
 The CUDA caching allocator's slack, communication buffers, a prefetched second unit and the rest of
@@ -30,16 +30,16 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from modelpar._activations import activation_bytes, check_sequence, decoder_shape, setting_label
-from modelpar._compiled_activations import compiled_layers
-from modelpar._estimate_report import MemoryEstimate, dtype_name
-from modelpar._fsdp import FSDPOptions, fsdp_shard_dim
-from modelpar._grad_sync import AccumulationMode, GradientSyncControl
-from modelpar._mesh import MeshLayout, check_size_arg
-from modelpar._meta_models import hf_on_meta, llama_on_meta
-from modelpar._moe_estimate import all_to_all_bytes, expert_units, moe_notes, refuse_hugging_face_experts
-from modelpar._precision import SUPPORTED_PRECISIONS
-from modelpar._transients import ROOT, worst_moment
+from modelpar._mesh.layout import MeshLayout, check_size_arg
+from modelpar._strategy.precision import SUPPORTED_PRECISIONS
+from modelpar._train.fsdp import FSDPOptions, fsdp_shard_dim
+from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
+from modelpar.memory._activations import activation_bytes, check_sequence, decoder_shape, setting_label
+from modelpar.memory._compiled import compiled_layers
+from modelpar.memory._meta_models import hf_on_meta, llama_on_meta
+from modelpar.memory._moe import all_to_all_bytes, expert_units, moe_notes, refuse_hugging_face_experts
+from modelpar.memory._report import MemoryEstimate, dtype_name
+from modelpar.memory._transients import ROOT, worst_moment
 from modelpar.plans._checks import resolve_styles, resolve_units
 from modelpar.plans._experts import drop_expert_styles, moe_modules
 from modelpar.plans._plan import ParallelPlan
@@ -97,16 +97,16 @@ def estimate_memory(
     ``seq_len`` (tokens per sample; ``None``: the model state and FSDP2's transients only, no activations),
     ``micro_batch_size`` and ``context_parallel_size`` (each rank holds ``seq_len / cp`` tokens of a sample;
     FSDP shards over the data-parallel shard group x the context-parallel ranks, as torchtitan does) size the
-    activations of a Llama-style decoder (:mod:`modelpar._activations`), under the plan's
+    activations of a Llama-style decoder (:mod:`modelpar.memory._activations`), under the plan's
     ``activation_checkpointing``, ``ac_every``, ``sequence_parallel`` and ``loss_parallel``, in the activation
     dtype (the policy's ``param_dtype``, else the parameters'); the decoder layers the plan compiles
-    (``compile=True``) as inductor's partitioner keeps them (:mod:`modelpar._compiled_activations`), the rest as
+    (``compile=True``) as inductor's partitioner keeps them (:mod:`modelpar.memory._compiled`), the rest as
     eager PyTorch does. ``reshard_after_forward`` is the strategy's
     option (the plan's wins); ``False`` keeps every unit gathered from forward to backward.
     ``expert_parallel_size`` splits the experts of the plan's ``experts`` modules over that many of the ranks
     that shard each replica (``E / ep`` whole experts per rank), FSDP-sharded over the rest, as their own unit;
     MoE layers' activations assume balanced routing, and their all-to-all buffers join the experts' backward
-    (:mod:`modelpar._moe_estimate`). A Hugging Face MoE, which expert parallelism does not take, is refused above 1.
+    (:mod:`modelpar.memory._moe`). A Hugging Face MoE, which expert parallelism does not take, is refused above 1.
     ``accumulate_grad_batches`` (the Trainer's name: micro-batches per optimizer step) decides where the
     gradients are at the peak: with 1, ``zero_grad()`` (``set_to_none=True``, torch's default) freed them after
     the last step, and backward writes them while it frees the activations, so the peak counts the larger of the

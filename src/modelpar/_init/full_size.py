@@ -1,7 +1,7 @@
 """Running a module's initializers at full size on sharded (DTensor) tensors, keeping this rank's block.
 
 An initializer written for one process (``reset_parameters()``, a root ``init_weights()``) runs on full-size
-plain tensors, and each rank keeps its block of the result, cut by block arithmetic (:mod:`modelpar._blocks`,
+plain tensors, and each rank keeps its block of the result, cut by block arithmetic (:mod:`modelpar._init.blocks`,
 FSDP2's own layout, ``_StridedShard`` of FSDP over TP included) as a ``narrow`` view and copied into the local
 shard: nothing larger than one full-size tensor plus the local shard exists per tensor, and nothing is
 communicated. Two ways in:
@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from modelpar._blocks import local_view
-from modelpar._expert_blocks import BlockDraw, NotBlockwise, is_fused_experts, stand_in
-from modelpar._unwritten import mark_unwritten, merge_written
+from modelpar._init.blocks import local_view
+from modelpar._init.expert_blocks import BlockDraw, NotBlockwise, is_fused_experts, stand_in
+from modelpar._init.unwritten import mark_unwritten, merge_written
 
 __all__ = ["FullSizeInit", "Scratch", "device_rng", "own_tensors", "random_state", "run_hook"]
 

@@ -19,7 +19,7 @@ so the peak counts the larger of the two (:attr:`~modelpar.MemoryEstimate.peak`)
 
 from __future__ import annotations
 
-from modelpar._activations import ActivationEstimate
+from modelpar.memory._activations import ActivationEstimate
 
 __all__ = ["ROOT", "worst_moment"]
 

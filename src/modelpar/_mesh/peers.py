@@ -1,4 +1,4 @@
-"""Reaching and recognising the job's other processes, for the peer watchdog (``modelpar._watchdog``).
+"""Reaching and recognising the job's other processes, for the peer watchdog (``modelpar._mesh.watchdog``).
 
 Two mechanisms the watchdog's decisions rest on: store requests that cannot hang the caller, and where a rank's
 process runs, so that a process on the same machine can be seen to have exited without asking anyone.

@@ -6,7 +6,7 @@ backward cannot cheaply rebuild (matmul and attention outputs, reductions such a
 recomputes pointwise chains (casts, the normalization itself, SiLU, RoPE, the residual add) inside backward's
 fused kernels. Eager PyTorch keeps every intermediate an op saves; a compiled layer keeps what follows (read off
 the partitioned backward graph's inputs, ``TORCH_LOGS=aot_graphs``, on ``modelpar.models.Llama``, Hugging Face
-Llama and Qwen3; notation of :mod:`modelpar._activations`):
+Llama and Qwen3; notation of :mod:`modelpar.memory._activations`):
 
 - without checkpointing: the layer input (``b s d a``); per RMSNorm its ``rsqrt`` (fp32 per token) and its output,
   the projections' input (``b s d a``; no fp32 copies, no normalized value); the attention output projection's
@@ -20,7 +20,7 @@ Llama and Qwen3; notation of :mod:`modelpar._activations`):
 - ``"full"``: the layer input, as in eager.
 
 A mixture-of-experts feed-forward breaks the graph (data-dependent routing): without checkpointing it is counted
-as in eager (:mod:`modelpar._moe_estimate`) and its layer's norms and attention as compiled, 5-8% above the
+as in eager (:mod:`modelpar.memory._moe`) and its layer's norms and attention as compiled, 5-8% above the
 measured bytes; under checkpointing the break falls inside the checkpointed region, dynamo runs the layers
 eagerly, and they are counted as eager. Only whole decoder layers count as compiled: a plan whose outermost FSDP
 units are parts of a layer compiles those parts, and the layer is counted as eager.

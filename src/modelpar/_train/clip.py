@@ -22,7 +22,7 @@ gradient that is also sharded on some axis is summed first (``redistribute``): o
 The local work is batched and copies nothing but those Partial gradients: local shards are grouped by (device,
 dtype, weight); each group's norm comes from ``torch.nn.utils.get_total_norm`` (foreach kernels; per-tensor
 norms in the gradients' dtype, as torch's own clipping computes them); the few group norms are combined in fp32
-(fp64 if any gradient is fp64) on the device the process group communicates on (``modelpar._collective``), so
+(fp64 if any gradient is fp64) on the device the process group communicates on (``modelpar._mesh.collective``), so
 CPU-offloaded gradients never reach NCCL; and ``torch.nn.utils.clip_grads_with_norm_`` scales the local shards
 in place.
 """
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from modelpar._collective import collective_device, collective_ready, group_device_types
+from modelpar._mesh.collective import collective_device, collective_ready, group_device_types
 
 __all__ = ["clip_grad_norm", "clip_grad_value"]
 

@@ -16,8 +16,8 @@ repeats one rank's draws).
 "Bit for bit" holds against a one-process build on the device type materialization draws on (``device``: the
 CPU under ``cpu_offload``), since CPU and CUDA generators draw different numbers from one seed.
 
-**How** (:mod:`modelpar._full_size`). Each initializer runs on full-size plain tensors and every rank keeps its
-block, cut as a view by the block arithmetic of :mod:`modelpar._blocks` (FSDP2's layout, ``_StridedShard`` of
+**How** (:mod:`modelpar._init.full_size`). Each initializer runs on full-size plain tensors and every rank keeps its
+block, cut as a view by the block arithmetic of :mod:`modelpar._init.blocks` (FSDP2's layout, ``_StridedShard`` of
 FSDP over TP included), with no communication. A module's own DTensors are swapped for full-size stand-ins
 while its ``reset_parameters()`` runs, so arbitrary code works on them. An initializer that reaches DTensors of
 other modules (a parent's ``reset_parameters()``, the root hook) runs under a torch-function mode that performs
@@ -26,7 +26,7 @@ at full size and copies this rank's block back. Memory per tensor: one reused fu
 shard; at most one module's own tensors at full size at once, plus one tensor; never the whole model. Time: on
 the CPU every rank draws every full tensor, about what an eager one-process build costs.
 
-**Fused expert tensors are drawn in blocks** (:mod:`modelpar._expert_blocks`). A 3-D DTensor ``[experts, rows,
+**Fused expert tensors are drawn in blocks** (:mod:`modelpar._init.expert_blocks`). A 3-D DTensor ``[experts, rows,
 cols]`` (a MoE layer's fused weights: 30 GB in fp32 for one of DeepSeek-V3's) never exists at full size: its
 initializer runs on a one-element stand-in of the full shape, random fills are drawn along dim 0 a few experts at a
 time (blocks of a multiple of 16 elements: 16 experts at most, one where an expert holds a multiple of 16 elements)
@@ -39,7 +39,7 @@ with the tensor (a copy from another tensor, a write through a view, orthogonal'
 ``generator``) is refused before it draws: the random state is put back and the tensor is drawn at full size (a
 module's own ``reset_parameters()`` then runs a second time, so its Python side effects happen twice).
 
-**Unwritten tensors are named** (:mod:`modelpar._unwritten`). Allocated tensors and stand-ins are filled with
+**Unwritten tensors are named** (:mod:`modelpar._init.unwritten`). Allocated tensors and stand-ins are filled with
 a marker first; a stand-in's unwritten elements do not overwrite the shard, and whatever still holds the marker
 at the end is named (module path, tensor, class) in one rank-0 warning, with every rank's report gathered.
 Tracked writes rather than assumed coverage: a parent's ``reset_parameters()`` that skips a child's tensor is
@@ -83,8 +83,8 @@ from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from modelpar._full_size import Scratch, device_rng, own_tensors, run_hook
-from modelpar._unwritten import mark_unwritten, unwritten_mask
+from modelpar._init.full_size import Scratch, device_rng, own_tensors, run_hook
+from modelpar._init.unwritten import mark_unwritten, unwritten_mask
 
 __all__ = ["has_meta_tensors", "materialize_module"]
 
@@ -312,7 +312,7 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
     the module docstring for the order, the guarantee and when a hook is skipped). With a process group of
     several ranks, all ranks must call it (the ranks' random states are compared first, and what was left
     unwritten is gathered last). Every tensor that no initializer wrote, wholly or partly, is named with its
-    module in a rank-0 warning; it holds a NaN marker (see :mod:`modelpar._unwritten`), not stray memory.
+    module in a rank-0 warning; it holds a NaN marker (see :mod:`modelpar._init.unwritten`), not stray memory.
     ``device`` may be any device (the CPU under ``cpu_offload``, the accelerator otherwise). Raises
     ``RuntimeError`` naming any tensor still on the meta device afterwards (a ``reset_parameters`` that
     re-created a tensor on meta, for example), since training on it would fail far from the cause.

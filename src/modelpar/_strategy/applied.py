@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from modelpar._mesh import EXPERT_PARALLEL_AXIS
+from modelpar._mesh.layout import EXPERT_PARALLEL_AXIS
 
 if TYPE_CHECKING:
-    from modelpar._mesh import MeshLayout
+    from modelpar._mesh.layout import MeshLayout
 
 __all__ = ["check_context_parallel_applied", "check_expert_parallel_applied"]
 

@@ -15,9 +15,9 @@ import torch
 from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.utilities.seed import reset_seed
 
-from modelpar._core import ParallelCore
-from modelpar._distributed import barrier, broadcast_object
-from modelpar._lightning import Framework, load, strategy_repr
+from modelpar._mesh.process_group import barrier, broadcast_object
+from modelpar._strategy.core import ParallelCore
+from modelpar._strategy.lightning import Framework, load, strategy_repr
 from modelpar.checkpoint._remote import Location, RemotePath, to_location
 
 if TYPE_CHECKING:

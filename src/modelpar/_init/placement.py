@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from modelpar._full_size import own_tensors
-from modelpar._materialize import has_meta_tensors, materialize_module
+from modelpar._init.full_size import own_tensors
+from modelpar._init.materialize import has_meta_tensors, materialize_module
 
 __all__ = ["materialization_device", "materialize", "move_to_device", "offloads", "tensor_device"]
 
@@ -120,7 +120,7 @@ def _move(module: nn.Module, targets: dict[int, torch.device]) -> None:
 
 
 def materialize(module: nn.Module, root_device: torch.device, *, offload: bool) -> None:
-    """Materialize ``module``'s meta tensors (see ``modelpar._materialize``), each where it belongs.
+    """Materialize ``module``'s meta tensors (see ``modelpar._init.materialize``), each where it belongs.
 
     With ``offload``, the shards ``fully_shard`` manages stay in CPU memory and the other meta tensors end on
     ``root_device``; tensors that were real before keep their device and values.

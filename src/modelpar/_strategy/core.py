@@ -7,9 +7,8 @@ Fabric or the Trainer: it is given devices, a cluster environment and a precisio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -20,13 +19,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
-from modelpar._applied import check_context_parallel_applied, check_expert_parallel_applied
-from modelpar._clip import clip_grad_norm, clip_grad_value
-from modelpar._distributed import DEFAULT_TIMEOUT, default_backend, init_process_group
-from modelpar._fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
-from modelpar._grad_sync import AccumulationMode, GradientSyncControl
-from modelpar._materialize import has_meta_tensors
-from modelpar._mesh import (
+from modelpar._init.materialize import has_meta_tensors
+from modelpar._init.placement import materialize, move_to_device, offloads
+from modelpar._mesh.layout import (
     CONTEXT_PARALLEL_AXIS,
     EXPERT_PARALLEL_AXIS,
     HSDP_MESH_AXES,
@@ -34,19 +29,19 @@ from modelpar._mesh import (
     SHARD_CONTEXT_AXIS,
     TOKEN_AXIS,
     MeshLayout,
-    SizeArg,
-    check_context_parallel_size,
-    check_expert_parallel_size,
-    check_size_arg,
 )
-from modelpar._placement import materialize, move_to_device, offloads
-from modelpar._watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout, watch_peers
+from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_process_group
+from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
+from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied
+from modelpar._strategy.options import StrategyOptions
+from modelpar._train.clip import clip_grad_norm, clip_grad_value
+from modelpar._train.fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
+from modelpar._train.grad_sync import GradientSyncControl
 from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["ParallelCore", "ParallelizeFn"]
 
@@ -58,74 +53,49 @@ ParallelizeFn = Callable[[Any, "DeviceMesh"], Any]
 #: in the process knows not to parallelize or initialize it again.
 _SET_UP_ON = "_modelpar_set_up_on"
 #: Attribute ``setup_module`` sets beside it: whether the parameters ``fully_shard`` manages are offloaded to the
-#: CPU, so that meta tensors the module gains later are materialized where they belong (``modelpar._placement``).
+#: CPU, so that meta tensors the module gains later are materialized where they belong (``modelpar._init.placement``).
 _OFFLOADS = "_modelpar_offloads"
 
 
 class ParallelCore:
     """Configuration and state of one N-D parallel run, independent of the front end driving it."""
 
-    def __init__(
-        self,
-        *,
-        strategy_name: str,
-        parallelize_fn: ParallelizeFn | None,
-        data_parallel_size: SizeArg,
-        tensor_parallel_size: SizeArg,
-        save_distributed_checkpoint: bool,
-        process_group_backend: str | None,
-        timeout: timedelta | None,
-        async_save: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
-        data_parallel_replicate_size: SizeArg = 1,
-        context_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
-        mixed_precision: MixedPrecisionPolicy | None = None,
-        cpu_offload: bool | CPUOffloadPolicy = False,
-        reshard_after_forward: bool | int | None = None,
-        gradient_accumulation: AccumulationMode = "sharded",
-        peer_timeout: PeerTimeoutArg = DEFAULT_PEER_TIMEOUT,
-    ) -> None:
-        # Validate at construction: it runs identically on every rank and long before any collective.
-        check_size_arg("data_parallel_size", data_parallel_size)
-        check_size_arg("tensor_parallel_size", tensor_parallel_size)
-        check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
-        check_context_parallel_size(context_parallel_size)
-        check_expert_parallel_size(expert_parallel_size)
-        _check_fsdp_args(mixed_precision, cpu_offload, reshard_after_forward)
+    def __init__(self, *, strategy_name: str, parallelize_fn: ParallelizeFn | None, options: StrategyOptions) -> None:
+        # Validated at construction (``StrategyOptions``): identically on every rank, long before any collective.
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(
                 f"`parallelize_fn` must be a callable `(model, device_mesh) -> model`, but got"
                 f" {type(parallelize_fn).__name__}."
             )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(f"`timeout` must be a `datetime.timedelta`, but got {timeout!r}.")
+        self.options = options
         self.strategy_name = strategy_name
         self.parallelize_fn = parallelize_fn
-        self.data_parallel_size = data_parallel_size
-        self.tensor_parallel_size = tensor_parallel_size
-        self.data_parallel_replicate_size = data_parallel_replicate_size
-        self.context_parallel_size = context_parallel_size
-        self.expert_parallel_size = expert_parallel_size
-        self.mixed_precision = mixed_precision
-        self.cpu_offload = cpu_offload
-        self.reshard_after_forward = reshard_after_forward
+        self.data_parallel_size = options.data_parallel_size
+        self.tensor_parallel_size = options.tensor_parallel_size
+        self.data_parallel_replicate_size = options.data_parallel_replicate_size
+        self.context_parallel_size = options.context_parallel_size
+        self.expert_parallel_size = options.expert_parallel_size
+        self.mixed_precision = options.mixed_precision
+        self.cpu_offload = options.cpu_offload
+        self.reshard_after_forward = options.reshard_after_forward
         #: Resolved in ``setup_distributed`` (they depend on the precision, the device and the layout).
         self.fsdp_options = FSDPOptions()
         #: False when a ``"bf16-mixed"`` run's FSDP2 policy casts the parameters: autocast on top would only copy.
         self.autocast = True
-        self.save_distributed_checkpoint = save_distributed_checkpoint
-        self.process_group_backend = process_group_backend
-        self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
-        #: Seconds after which a silent peer ends every rank with a clear error (``modelpar._watchdog``); None: off.
-        self.peer_timeout = resolve_peer_timeout(peer_timeout)
+        self.save_distributed_checkpoint = options.save_distributed_checkpoint
+        self.process_group_backend = options.process_group_backend
+        self.timeout = options.timeout if options.timeout is not None else DEFAULT_TIMEOUT
+        #: Seconds after which a silent peer ends every rank with a clear error (``_mesh.watchdog``); None: off.
+        self.peer_timeout = resolve_peer_timeout(options.peer_timeout)
         self.layout: MeshLayout | None = None
         #: False only when standalone detection could not tell the processes per node ("auto" is refused then).
         self.per_node_known = True
         self._device_mesh: DeviceMesh | None = None
         self._mesh_world: Any = None  # the default process group the mesh was built in
-        self.grad_sync = GradientSyncControl(gradient_accumulation)
-        self.checkpointer = Checkpointer(async_save=async_save, timeout=self.timeout, storage_options=storage_options)
+        self.grad_sync = GradientSyncControl(options.gradient_accumulation)
+        self.checkpointer = Checkpointer(
+            async_save=options.async_save, timeout=self.timeout, storage_options=options.storage_options
+        )
 
     # -- environment ---------------------------------------------------------------------------------
     @staticmethod
@@ -253,7 +223,7 @@ class ParallelCore:
         """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors where they belong.
 
         That is ``root_device``, except the shards of FSDP units that offload to the CPU, which are materialized
-        in host memory (see ``modelpar._placement``). Once per module: a module set up before (a second Trainer
+        in host memory (see ``modelpar._init.placement``). Once per module: a module set up before (a second Trainer
         run, a new strategy on the same layout) is neither parallelized again nor re-initialized; only tensors it
         gained on the meta device since are materialized (real ones keep their values). It must be on a mesh of
         the same layout and ranks, as modules cannot be re-sharded in place.
@@ -298,7 +268,7 @@ class ParallelCore:
         """Move what is left off ``root_device`` there (Lightning's ``model.to(root_device)``), but no FSDP shard.
 
         Lightning's Trainer strategy calls it after set-up for parameters and buffers no parallelization placed;
-        the shards of units that offload to the CPU must stay in host memory (``modelpar._placement``).
+        the shards of units that offload to the CPU must stay in host memory (``modelpar._init.placement``).
         """
         move_to_device(module, root_device)
 
@@ -376,25 +346,6 @@ class ParallelCore:
     @staticmethod
     def clip_gradients_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
         clip_grad_value(parameters, clip_val)
-
-
-def _check_fsdp_args(mixed_precision: Any, cpu_offload: Any, reshard_after_forward: Any) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-        raise TypeError(
-            "`mixed_precision` must be a `torch.distributed.fsdp.MixedPrecisionPolicy` or None (derived from the"
-            f" precision flag), but got {type(mixed_precision).__name__}."
-        )
-    if not isinstance(cpu_offload, (bool, CPUOffloadPolicy)):
-        raise TypeError(
-            f"`cpu_offload` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`, but got {cpu_offload!r}."
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise TypeError(
-            "`reshard_after_forward` must be True, False, an int (ranks to reshard to) or None (FSDP2's default),"
-            f" but got {reshard_after_forward!r}."
-        )
 
 
 def _fsdp_on_flattened_axis(param: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """Drawing a fused ``[experts, ...]`` tensor a few experts at a time, with the values of one full draw.
 
 A MoE layer's experts are often one fused parameter, ``[n_experts, rows, cols]`` (``GroupedExperts.w1``, Hugging
-Face's ``gate_up_proj``): DeepSeek-V3's is 30 GB in fp32. :mod:`modelpar._full_size` initializes a sharded tensor
+Face's ``gate_up_proj``): DeepSeek-V3's is 30 GB in fp32. :mod:`modelpar._init.full_size` initializes a sharded tensor
 by drawing it whole on a full-size buffer; for these it would hold the whole fused tensor on every rank. Instead
 such a tensor's initializer runs on a **stand-in** of the full shape backed by one element (an ``expand``), under
 :class:`BlockDraw`, a torch-function mode (:class:`torch.overrides.TorchFunctionMode`, public) that performs
@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from modelpar._blocks import shard_block
+from modelpar._init.blocks import shard_block
 
 __all__ = ["BlockDraw", "NotBlockwise", "blocks_equal_one_draw", "expert_blocks", "is_fused_experts", "stand_in"]
 
@@ -129,7 +129,7 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
 #: ``nn.init``'s functions that hand themselves to the mode whole (their inner calls are not seen), as the
 #: ``Tensor`` method they end in: ``(method, its positional scalars, generator)`` from their keyword arguments,
 #: which is how their own dispatch passes them (under the name of a library's wrapper, too: see
-#: :mod:`modelpar._full_size`).
+#: :mod:`modelpar._init.full_size`).
 _WHOLE_INITIALIZERS: dict[str, tuple[frozenset[str], Callable[[dict[str, Any]], tuple[Any, tuple[Any, ...]]]]] = {
     "uniform_": (
         frozenset(["tensor", "a", "b", "generator"]),

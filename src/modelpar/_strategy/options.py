@@ -1,0 +1,79 @@
+"""The strategy's options as one frozen, validated value: what both front ends hand the core.
+
+The front ends keep their signatures explicit and typed (IDEs and docs read them), and pass their arguments on
+with :meth:`StrategyOptions.pick`, which takes exactly the fields declared here. So a new option is its field
+and validation here, the code that uses it, and its line in each signature (``tests/unit/test_strategy_options.py``
+checks that every field is in both signatures with the same default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+from modelpar._mesh.layout import SizeArg, check_context_parallel_size, check_expert_parallel_size, check_size_arg
+from modelpar._mesh.process_group import DEFAULT_TIMEOUT
+from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout
+from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
+
+__all__ = ["StrategyOptions"]
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Every option of the strategy that the core uses, validated when made (identically on every rank, long
+    before any collective). The meaning of each is the front ends' docstring's."""
+
+    data_parallel_size: SizeArg = "auto"
+    tensor_parallel_size: SizeArg = "auto"
+    save_distributed_checkpoint: bool = True
+    process_group_backend: str | None = None
+    timeout: timedelta | None = DEFAULT_TIMEOUT
+    async_save: bool = False
+    storage_options: Mapping[str, Any] | None = None
+    data_parallel_replicate_size: SizeArg = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    mixed_precision: MixedPrecisionPolicy | None = None
+    cpu_offload: bool | CPUOffloadPolicy = False
+    reshard_after_forward: bool | int | None = None
+    gradient_accumulation: AccumulationMode = "sharded"
+    peer_timeout: PeerTimeoutArg = DEFAULT_PEER_TIMEOUT
+
+    def __post_init__(self) -> None:
+        check_size_arg("data_parallel_size", self.data_parallel_size)
+        check_size_arg("tensor_parallel_size", self.tensor_parallel_size)
+        check_size_arg("data_parallel_replicate_size", self.data_parallel_replicate_size)
+        check_context_parallel_size(self.context_parallel_size)
+        check_expert_parallel_size(self.expert_parallel_size)
+        _check_fsdp_args(self.mixed_precision, self.cpu_offload, self.reshard_after_forward)
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise TypeError(f"`timeout` must be a `datetime.timedelta`, but got {self.timeout!r}.")
+        resolve_peer_timeout(self.peer_timeout)
+        GradientSyncControl(self.gradient_accumulation)  # validates the mode with the strategy's message
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> StrategyOptions:
+        """The options among a front end's arguments (its ``locals()``): the fields declared here, no others."""
+        return cls(**{field.name: arguments[field.name] for field in fields(cls)})
+
+
+def _check_fsdp_args(mixed_precision: Any, cpu_offload: Any, reshard_after_forward: Any) -> None:
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(
+            "`mixed_precision` must be a `torch.distributed.fsdp.MixedPrecisionPolicy` or None (derived from the"
+            f" precision flag), but got {type(mixed_precision).__name__}."
+        )
+    if not isinstance(cpu_offload, (bool, CPUOffloadPolicy)):
+        raise TypeError(
+            f"`cpu_offload` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`, but got {cpu_offload!r}."
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "`reshard_after_forward` must be True, False, an int (ranks to reshard to) or None (FSDP2's default),"
+            f" but got {reshard_after_forward!r}."
+        )

@@ -1,0 +1,59 @@
+"""The strategy's options travel as one value (``StrategyOptions``), and both front ends declare every one of them.
+
+A new option is declared once (its field and validation) and spelled in each front end's signature, which stays
+explicit and typed for IDEs and docs; this test is what keeps the three in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from modelpar import MeshSizeError
+from modelpar._strategy.options import StrategyOptions
+from modelpar.fabric import ModelParallelStrategy as FabricStrategy
+from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
+
+FIELDS = {field.name: field.default for field in dataclasses.fields(StrategyOptions)}
+
+
+@pytest.mark.parametrize("front_end", [FabricStrategy, TrainerStrategy], ids=["fabric", "trainer"])
+def test_every_option_is_in_each_front_ends_signature_with_the_same_default(front_end):
+    parameters = inspect.signature(front_end.__init__).parameters
+    missing = sorted(set(FIELDS) - set(parameters))
+    assert not missing, f"{front_end.__module__} does not take {missing}: add them to its signature"
+    differing = {n: (parameters[n].default, d) for n, d in FIELDS.items() if parameters[n].default != d}
+    assert not differing, differing
+
+
+@pytest.mark.parametrize("front_end", [FabricStrategy, TrainerStrategy], ids=["fabric", "trainer"])
+def test_the_front_ends_hand_the_core_exactly_what_they_were_given(front_end):
+    strategy = front_end(
+        parallelize_fn=lambda model, mesh: model,
+        data_parallel_size=2,
+        tensor_parallel_size=1,
+        reshard_after_forward=False,
+    )
+    options = strategy._core.options
+    assert isinstance(options, StrategyOptions)
+    assert (options.data_parallel_size, options.tensor_parallel_size, options.reshard_after_forward) == (2, 1, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.async_save = True  # type: ignore[misc]
+
+
+def test_pick_takes_the_declared_fields_and_nothing_else():
+    arguments = {**FIELDS, "self": object(), "accelerator": None, "data_parallel_size": 4}
+    assert StrategyOptions.pick(arguments) == StrategyOptions(data_parallel_size=4)
+    with pytest.raises(KeyError):
+        StrategyOptions.pick({"data_parallel_size": 4})  # a front end that forgot an option fails loudly
+
+
+def test_options_are_validated_when_made_with_the_strategys_messages():
+    with pytest.raises(MeshSizeError, match="`data_parallel_size=0` is not a valid size"):
+        StrategyOptions(data_parallel_size=0)
+    with pytest.raises(TypeError, match=r"`timeout` must be a `datetime\.timedelta`"):
+        StrategyOptions(timeout=30)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`gradient_accumulation='whole'` is not a mode"):
+        StrategyOptions(gradient_accumulation="whole")  # type: ignore[arg-type]
