@@ -1,6 +1,8 @@
 """Run a function on N CPU processes with gloo: our own small harness for the distributed tests.
 
 * one spawn runs a whole grid of cases (a spawn costs seconds; a case costs milliseconds);
+* without CUDA the processes are forked from a server that has imported torch and Lightning once
+  (:func:`_context`) instead of starting fresh interpreters; each gets the parent's environment as it is then;
 * every process gets the launcher variables a real run would (``LOCAL_RANK``, ``NODE_RANK`` ...), optionally
   laid out as several simulated nodes on this machine;
 * a rank that raises fails the test at once with every rank's traceback; the others are killed instead of
@@ -43,7 +45,35 @@ def launcher_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str,
     }
 
 
+#: What the fork server imports once (no modelpar code): torch's distributed packages and Lightning Fabric, which
+#: imports torchmetrics and, through it, transformers.
+_PRELOAD = ["torch.distributed.fsdp", "torch.distributed.checkpoint", "lightning_fabric"]
+
+
+def _context() -> Any:
+    """Where the processes come from: without CUDA, a fork server (one per pytest process) that has imported
+    :data:`_PRELOAD`; with CUDA, fresh interpreters (``spawn``).
+
+    A fresh interpreter spends 6 to 9 CPU seconds on those imports before it runs a case: on 2 cores, more than
+    the cases of most spawns take. The server pays that once, and each process is forked from it (it has run
+    nothing but the imports). A process that will use CUDA is not forked from one that may have initialised it.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _process_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str, str]:
+    """The parent's environment now (the fork server holds the one from its start) and the launcher variables."""
+    return {**os.environ, **launcher_env(rank, world_size, nodes, port)}
+
+
 def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...], out: Any) -> None:
+    os.environ.clear()
     os.environ.update(env)
     import torch
 
@@ -69,11 +99,11 @@ def run_distributed(
     """
     if world_size % nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of nodes={nodes}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, launcher_env(r, world_size, nodes, port), args, out), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, _process_env(r, world_size, nodes, port), args, out), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -128,11 +158,11 @@ def run_and_kill_when(
     For crash tests: the condition watches the file system for a save in progress. Raises if the
     processes finish, or the deadline passes, before the condition is seen.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, launcher_env(r, world_size, 1, port), args, out), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, _process_env(r, world_size, 1, port), args, out), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
