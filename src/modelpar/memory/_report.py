@@ -90,9 +90,8 @@ class MemoryEstimate:
     def peak(self) -> int:
         """Device bytes at the worst moment of a step: persistent state, root gathered, activations, the gradients
         beyond them (:attr:`peak_gradients`), the worst moment of backward."""
-        persistent = self.parameters + self.optimizer_states + self.buffers - (self.host - self._host_gradients)
         return (
-            persistent
+            self._persistent_without_gradients
             + self.peak_gradients
             + self.root_gathered
             + self.stored_activations
@@ -100,8 +99,10 @@ class MemoryEstimate:
         )
 
     @property
-    def _host_gradients(self) -> int:
-        return self.gradients - self.device_gradients
+    def _persistent_without_gradients(self) -> int:
+        """Parameters, optimizer states and buffers on the device (what offloading leaves there)."""
+        state = self.parameters + self.gradients + self.optimizer_states + self.buffers
+        return state - self.host - self.device_gradients
 
     def __str__(self) -> str:
         layout, offload = self.layout, self.host > 0
@@ -139,7 +140,7 @@ class MemoryEstimate:
         return "\n".join(line.rstrip() for line in lines)
 
     def _peak_lines(self) -> list[str]:
-        persistent = self.parameters + self.optimizer_states + self.buffers - (self.host - self._host_gradients)
+        persistent = self._persistent_without_gradients
         rows: list[tuple[str, str, int | None]] = [("persistent state", "parameters, optimizer, buffers", persistent)]
         if self.accumulate_grad_batches > 1:
             grads = f"kept over {self.accumulate_grad_batches} micro-batches"
