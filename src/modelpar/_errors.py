@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointShapeError",
     "CorruptCheckpointError",
     "MeshSizeError",
+    "ShardingStrategyError",
     "UnsupportedReduceOpError",
     "UnsupportedStyleError",
     "WeightsOnlyError",
@@ -92,3 +93,14 @@ class UnsupportedStyleError(TypeError, NotImplementedError):
     ``TypeError``: the module has the wrong type for the style. ``NotImplementedError``: what torch's
     ``ColwiseParallel`` and ``RowwiseParallel`` raise for a module other than ``nn.Linear`` or ``nn.Embedding``.
     """
+
+
+class ShardingStrategyError(ValueError, KeyError):
+    """A ``sharding_strategy`` name that is not one of FSDP1's.
+
+    ``ValueError``: a bad argument value. ``KeyError``: what Lightning's ``FSDPStrategy`` raises for it
+    (``ShardingStrategy[name.upper()]`` in ``_init_sharding_strategy``).
+    """
+
+    def __str__(self) -> str:
+        return BaseException.__str__(self)  # a message, not a key: shown as is

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from lightning_fabric.accelerators import Accelerator
@@ -21,7 +21,7 @@ from lightning_fabric.plugins.environments import ClusterEnvironment
 from lightning_fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning_fabric.strategies import ParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -35,6 +35,7 @@ from modelpar._strategy.lightning import register_in_every_namespace
 from modelpar._strategy.options import StrategyOptions
 from modelpar._strategy.precision import check_precision, without_autocast
 from modelpar._train.grad_sync import AccumulationMode
+from modelpar.plans import ActivationCheckpointing, ModuleSelector
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -82,7 +83,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         model = strategy.setup_module(model)
 
     Args:
-        parallelize_fn: ``(model, device_mesh) -> model``; applies TP plans and ``fully_shard``.
+        parallelize_fn: ``(model, device_mesh) -> model``; applies TP plans and ``fully_shard`` (a
+            ``modelpar.plans.ParallelPlan`` is one). Left out, the strategy shards the model with FSDP2 itself over
+            every rank (``tensor_parallel_size="auto"`` is then 1; a Hugging Face model takes its own plan for
+            ``tensor_parallel_size > 1``), with the units ``fsdp_units`` says or it finds.
         data_parallel_size: ranks along the data-parallel axis. ``"auto"``: the number of nodes, or
             ``world_size / tensor_parallel_size`` when that one is given.
         tensor_parallel_size: ranks along the tensor-parallel axis. ``"auto"``: devices per node, or
@@ -119,6 +123,23 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             frozen, its host gone), or a c10d store that stopped answering, ends every other rank with exit code
             75 and an error naming it, instead of leaving them in a collective until ``timeout``. Default 30;
             ``None`` turns the watchdog off. One process starts none. See docs/checkpointing.md.
+        fsdp_units: without a ``parallelize_fn``, the FSDP units: a set of module classes (``{TransformerBlock}``,
+            as FSDP1's ``ModuleWrapPolicy``), patterns (``("layers.*",)``) or a predicate ``(module) -> bool``.
+            Left out: a Hugging Face model's ``_no_split_modules``, else the model's repeated blocks (the modules of
+            one class filling its largest ``ModuleList`` / ``Sequential``), else the root alone (with a warning).
+            See docs/quickstart.md.
+        activation_checkpointing: without a ``parallelize_fn``: ``"full"`` or ``"selective"`` on the FSDP units, or
+            the modules to checkpoint fully (classes, patterns or a predicate).
+        sync_module_states: broadcast rank 0's parameters and buffers to every rank before sharding (FSDP1's
+            option, for models whose ranks were not built alike). Meta-device models need none.
+        auto_wrap_policy, activation_checkpointing_policy, sharding_strategy, state_dict_type, device_mesh,
+        limit_all_gathers, use_orig_params: Lightning ``FSDPStrategy``'s arguments, so that changing the class
+            is the whole migration; each becomes its FSDP2 option (a wrap policy: ``fsdp_units``;
+            ``"SHARD_GRAD_OP"``: ``reshard_after_forward=False``; ``"HYBRID_SHARD"``: a replica per node;
+            ``device_mesh=(replicas, shards)``: HSDP of that shape; ``state_dict_type``:
+            ``save_distributed_checkpoint``) or is refused with the reason. ``cpu_offload`` and
+            ``mixed_precision`` take FSDP1's ``CPUOffload`` and ``MixedPrecision`` too. Any other FSDP1 argument
+            is refused by name with its FSDP2 equivalent. The table: docs/migrating-from-fsdp1.md.
         accelerator, parallel_devices, cluster_environment, precision: for standalone use; Fabric sets
             them otherwise. When left out standalone, they are detected (torchrun, SLURM, ...; CUDA or CPU;
             32-bit precision).
@@ -128,7 +149,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
 
     def __init__(
         self,
-        parallelize_fn: Callable[[TModel, DeviceMesh], TModel],
+        parallelize_fn: Callable[[TModel, DeviceMesh], TModel] | None = None,
         data_parallel_size: SizeArg = "auto",
         tensor_parallel_size: SizeArg = "auto",
         save_distributed_checkpoint: bool = True,
@@ -144,18 +165,24 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
-        mixed_precision: MixedPrecisionPolicy | None = None,
-        cpu_offload: bool | CPUOffloadPolicy = False,
+        mixed_precision: MixedPrecisionPolicy | MixedPrecision | None = None,
+        cpu_offload: bool | CPUOffloadPolicy | CPUOffload = False,
         reshard_after_forward: bool | int | None = None,
         gradient_accumulation: AccumulationMode = "sharded",
         peer_timeout: float | timedelta | None = DEFAULT_PEER_TIMEOUT,
+        fsdp_units: ModuleSelector | None = None,
+        activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None,
+        sync_module_states: bool = False,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: str | ShardingStrategy | None = None,
+        state_dict_type: Literal["full", "sharded"] | None = None,
+        device_mesh: tuple[int, int] | None = None,
+        limit_all_gathers: bool | None = None,
+        use_orig_params: bool | None = None,
+        **kwargs: Any,
     ) -> None:
-        if parallelize_fn is None:
-            raise TypeError(
-                f"`{type(self).__name__}` needs a `parallelize_fn(model, device_mesh) -> model` that applies"
-                " tensor parallelism and/or `fully_shard` to the model."
-            )
-        fn: ParallelizeFn = parallelize_fn
+        fn: ParallelizeFn | None = parallelize_fn
         self._core = ParallelCore(
             strategy_name=type(self).__name__,
             parallelize_fn=fn,

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from modelpar._strategy.lightning import classes, installed, load, register_in_every_namespace
 
@@ -29,7 +29,7 @@ if not installed("pytorch"):  # pragma: no cover - exercised only without the ex
 import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -44,6 +44,7 @@ from modelpar._train.grad_sync import AccumulationMode
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 from modelpar.checkpoint._remote import RemotePath, withdraw
 from modelpar.checkpoint._state import state_dict_options
+from modelpar.plans import ActivationCheckpointing, ModuleSelector
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -84,6 +85,11 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             ``gradient_accumulation`` decides what ``accumulate_grad_batches`` skips.
         peer_timeout: seconds until a dead or frozen rank ends the others with a clear error; as for the Fabric
             strategy (default 30, ``None``: off).
+        fsdp_units, activation_checkpointing, sync_module_states, auto_wrap_policy, activation_checkpointing_policy,
+        sharding_strategy, state_dict_type, device_mesh, limit_all_gathers, use_orig_params:
+            as for the Fabric strategy. Without ``parallelize_fn`` the strategy shards a LightningModule that
+            ``configure_model`` left unsharded itself (FSDP2 over every rank); with unit options it always does, and
+            ``tensor_parallel_size="auto"`` is then 1. A module ``configure_model`` sharded is used as it is.
     """
 
     _framework = "pytorch"
@@ -102,11 +108,22 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
-        mixed_precision: MixedPrecisionPolicy | None = None,
-        cpu_offload: bool | CPUOffloadPolicy = False,
+        mixed_precision: MixedPrecisionPolicy | MixedPrecision | None = None,
+        cpu_offload: bool | CPUOffloadPolicy | CPUOffload = False,
         reshard_after_forward: bool | int | None = None,
         gradient_accumulation: AccumulationMode = "sharded",
         peer_timeout: float | timedelta | None = DEFAULT_PEER_TIMEOUT,
+        fsdp_units: ModuleSelector | None = None,
+        activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None,
+        sync_module_states: bool = False,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: str | ShardingStrategy | None = None,
+        state_dict_type: Literal["full", "sharded"] | None = None,
+        device_mesh: tuple[int, int] | None = None,
+        limit_all_gathers: bool | None = None,
+        use_orig_params: bool | None = None,
+        **kwargs: Any,
     ) -> None:
         fn: ParallelizeFn | None = parallelize_fn
         self._core = ParallelCore(
@@ -157,6 +174,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)  # device set-up only; not Lightning's process-group code
+        # Before the mesh: whether "auto" means Lightning's tensor parallelism or none (`ParallelCore.shards_for_user`).
+        self._core.user_shards_in_hook = _overrides_configure_model(self.lightning_module)
         mesh = self._start_distributed()  # built on the first run; later runs in the same process group reuse it
         assert self.lightning_module is not None  # the Trainer connects the module before this hook
         # Read by `LightningModule.device_mesh` in configure_model; set on every run, whichever module is connected.
@@ -166,12 +185,6 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None  # set by the Trainer
         self.accelerator.setup(trainer)
-        if self._core.parallelize_fn is None and not _overrides_configure_model(self.lightning_module):
-            raise TypeError(
-                f"`{type(self).__name__}` has nothing to parallelize the model with. Either override"
-                " `configure_model()` in your LightningModule and apply `fully_shard` / tensor parallelism there"
-                " using `self.device_mesh`, or pass `parallelize_fn=` to the strategy."
-            )
         module = self._core.setup_module(self.model, self.root_device)  # on later runs: nothing new to shard or init
         if module is not self.model:
             raise TypeError(

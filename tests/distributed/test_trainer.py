@@ -10,12 +10,14 @@ interchange with non-sharded runs.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from harness import PG_TIMEOUT, run_distributed
 from modelpar.trainer import ModelParallelStrategy
@@ -290,9 +292,14 @@ def case_setup_errors() -> dict[str, str]:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
     PlainModule = lightning().PlainModule
     messages = {}
-    with pytest.raises(TypeError, match=r"has nothing to parallelize the model with\. Either override") as e1:
-        trainer(2, 1, 2, max_steps=1).fit(PlainModule(), data)
-    messages["neither"] = str(e1.value)
+    # Neither `configure_model` nor `parallelize_fn`: the strategy shards the module itself (FSDP2, no code); this
+    # one has no repeated blocks, so it is one unit, with the warning that says what that costs.
+    plain = PlainModule()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(2, 1, 2, max_steps=1).fit(plain, data)
+    messages["neither"] = f"sharded: {isinstance(plain.layer.weight, DTensor)}"
+    messages["neither_warning"] = str(any("no repeated blocks in PlainModule" in str(w.message) for w in caught))
     with pytest.raises(TypeError, match=r"must parallelize the LightningModule in place .* different Linear") as e2:
         trainer(2, 1, 2, max_steps=1, parallelize_fn=_returns_another_module).fit(PlainModule(), data)
     messages["other_module"] = str(e2.value)
@@ -510,8 +517,9 @@ def test_one_trainer_reruns_fit_validate_test_predict_fit_on_one_module_like_the
         }
 
 
-def test_missing_parallelization_and_a_replaced_module_raise_clear_errors_on_every_rank(two):
+def test_a_module_nothing_parallelizes_is_sharded_by_the_strategy_and_a_replaced_module_is_refused(two):
     assert two[0]["errors"] == two[1]["errors"]
+    assert two[0]["errors"]["neither"] == "sharded: True" and two[0]["errors"]["neither_warning"] == "True"
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true"])

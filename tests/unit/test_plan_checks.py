@@ -38,6 +38,7 @@ def test_public_surface_is_what_we_mean():
         "STYLE_NAMES",
         "ActivationCheckpointing",
         "LlamaParallelConfig",
+        "ModuleSelector",
         "ParallelPlan",
         "UnsupportedStyleError",
         "llama_tp_plan",
@@ -122,7 +123,8 @@ def test_a_plan_accepts_torch_styles_and_lists_of_units():
         (
             {"fsdp_units": "layers.*"},
             TypeError,
-            "ParallelPlan(fsdp_units='layers.*') must be a tuple of non-empty patterns, such as ('layers.*',).",
+            "ParallelPlan(fsdp_units='layers.*') must be a tuple of non-empty patterns, such as ('layers.*',), a set of"
+            " `nn.Module` classes, such as {TransformerBlock}, or a callable `(module) -> bool`, not a single str.",
         ),
         (
             {"activation_checkpointing": "op"},

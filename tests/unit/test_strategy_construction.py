@@ -30,6 +30,7 @@ def test_public_surface_is_what_we_mean():
         "clip_grad_norm",
         "clip_grad_value",
         "MeshSizeError",
+        "ShardingStrategyError",
         "CheckpointNotFoundError",
         "CheckpointKeyError",
         "CheckpointShapeError",
@@ -48,9 +49,8 @@ def test_invalid_sizes_are_rejected_at_construction():
         ModelParallelStrategy(identity, data_parallel_size=0)
 
 
-def test_parallelize_fn_must_be_given_and_callable():
-    with pytest.raises(TypeError, match=r"needs a `parallelize_fn\(model, device_mesh\) -> model`"):
-        ModelParallelStrategy(None)  # type: ignore[arg-type]
+def test_parallelize_fn_may_be_left_out_but_must_be_callable():
+    assert ModelParallelStrategy()._core.parallelize_fn is None  # the strategy shards the model itself
     with pytest.raises(TypeError, match=r"must be a callable `\(model, device_mesh\) -> model`, but got int"):
         ModelParallelStrategy(3)  # type: ignore[arg-type]
 

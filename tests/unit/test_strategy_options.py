@@ -14,9 +14,12 @@ import pytest
 from modelpar import MeshSizeError
 from modelpar._strategy.options import StrategyOptions
 from modelpar.fabric import ModelParallelStrategy as FabricStrategy
+from modelpar.legacy import FSDP1_ARGUMENTS
 from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
 
 FIELDS = {field.name: field.default for field in dataclasses.fields(StrategyOptions)}
+#: Lightning FSDPStrategy's arguments, taken under their own names and folded into the options (``None``: not given).
+FSDP1 = dict.fromkeys(FSDP1_ARGUMENTS)
 
 
 @pytest.mark.parametrize("front_end", [FabricStrategy, TrainerStrategy], ids=["fabric", "trainer"])
@@ -26,6 +29,15 @@ def test_every_option_is_in_each_front_ends_signature_with_the_same_default(fron
     assert not missing, f"{front_end.__module__} does not take {missing}: add them to its signature"
     differing = {n: (parameters[n].default, d) for n, d in FIELDS.items() if parameters[n].default != d}
     assert not differing, differing
+
+
+@pytest.mark.parametrize("front_end", [FabricStrategy, TrainerStrategy], ids=["fabric", "trainer"])
+def test_each_front_end_takes_lightning_fsdp_strategys_arguments_and_refuses_any_other(front_end):
+    parameters = inspect.signature(front_end.__init__).parameters
+    assert {n: parameters[n].default for n in FSDP1 if n in parameters} == FSDP1
+    assert parameters["kwargs"].kind is inspect.Parameter.VAR_KEYWORD  # refused by name, never swallowed
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'sharding'"):
+        front_end(sharding="FULL_SHARD")
 
 
 @pytest.mark.parametrize("front_end", [FabricStrategy, TrainerStrategy], ids=["fabric", "trainer"])
@@ -44,8 +56,12 @@ def test_the_front_ends_hand_the_core_exactly_what_they_were_given(front_end):
 
 
 def test_pick_takes_the_declared_fields_and_nothing_else():
-    arguments = {**FIELDS, "self": object(), "accelerator": None, "data_parallel_size": 4}
+    arguments = {**FIELDS, **FSDP1, "self": object(), "accelerator": None, "data_parallel_size": 4}
     assert StrategyOptions.pick(arguments) == StrategyOptions(data_parallel_size=4)
+    arguments = {**arguments, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "full"}
+    assert StrategyOptions.pick(arguments) == StrategyOptions(
+        data_parallel_size=4, reshard_after_forward=False, save_distributed_checkpoint=False
+    )
     with pytest.raises(KeyError):
         StrategyOptions.pick({"data_parallel_size": 4})  # a front end that forgot an option fails loudly
 

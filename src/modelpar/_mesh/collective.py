@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["collective_device", "collective_ready", "group_device_types", "served_device_types"]
+__all__ = [
+    "broadcast_module_states",
+    "collective_device",
+    "collective_ready",
+    "group_device_types",
+    "served_device_types",
+]
 
 
 def served_device_types(backend: str, device: torch.device) -> tuple[str, ...]:
@@ -66,3 +72,35 @@ def collective_ready(tensor: DTensor) -> DTensor:
     return DTensor.from_local(
         local.to(target), mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
     )
+
+
+def broadcast_module_states(module: torch.nn.Module, src: int = 0) -> None:
+    """Give every rank global rank ``src``'s parameters and buffers, before the module is sharded.
+
+    FSDP1's ``sync_module_states=True``, for models whose ranks were not initialized alike: each tensor is
+    broadcast over the default group, through the device that group communicates on (a CPU model under NCCL goes
+    through the GPU and back). Tensors on the meta device on every rank are skipped: they have no values yet, and
+    the strategy materializes them identically everywhere. The ranks first agree on which tensors are meta, so a
+    model real on one rank and meta on another raises the same ``ValueError`` on every rank instead of hanging.
+    """
+    tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())  # tied ones once
+    meta = [t.is_meta for t in tensors]
+    every: list[list[bool] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, meta)
+    differing = sorted({rank for rank, flags in enumerate(every) if flags != every[src]})
+    if differing:
+        raise ValueError(
+            f"`sync_module_states=True` broadcasts rank {src}'s weights, but ranks {differing} hold meta tensors where"
+            f" rank {src} holds values (or the reverse). Build the model the same way on every rank: with real"
+            " weights everywhere, or on the meta device everywhere (`fabric.init_module(empty_init=True)`) and then"
+            " load the weights with `fabric.load_raw(path, model)` or `modelpar.hf.load_pretrained`."
+        )
+    for tensor, is_meta in zip(tensors, meta, strict=True):
+        if is_meta:
+            continue
+        target = collective_device(tensor.device, group_device_types(tensor.device))
+        data = tensor.detach()
+        staged = data if target == data.device else data.to(target)
+        dist.broadcast(staged, src=src)
+        if staged is not data:
+            data.copy_(staged)

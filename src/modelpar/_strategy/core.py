@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from modelpar._init.materialize import has_meta_tensors
 from modelpar._init.placement import materialize, move_to_device, offloads
+from modelpar._mesh.collective import broadcast_module_states
 from modelpar._mesh.layout import (
     CONTEXT_PARALLEL_AXIS,
     EXPERT_PARALLEL_AXIS,
@@ -29,10 +30,12 @@ from modelpar._mesh.layout import (
     SHARD_CONTEXT_AXIS,
     TOKEN_AXIS,
     MeshLayout,
+    SizeArg,
 )
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_process_group
 from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied
+from modelpar._strategy.default_plan import default_plan
 from modelpar._strategy.options import StrategyOptions
 from modelpar._train.clip import clip_grad_norm, clip_grad_value
 from modelpar._train.fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
@@ -67,9 +70,20 @@ class ParallelCore:
                 f"`parallelize_fn` must be a callable `(model, device_mesh) -> model`, but got"
                 f" {type(parallelize_fn).__name__}."
             )
+        if parallelize_fn is not None and options.chooses_units:
+            given = ", ".join(f"`{n}`" for n in options.chooses_units)
+            raise ValueError(
+                f"{given} choose what the strategy shards and checkpoints when it parallelizes the model itself, but"
+                f" a `parallelize_fn` was given too, and it decides that. Apply them in your function (the plan's"
+                f" `fsdp_units` / `activation_checkpointing`), or drop the `parallelize_fn`."
+            )
         self.options = options
         self.strategy_name = strategy_name
         self.parallelize_fn = parallelize_fn
+        #: Set by the Trainer adapter: the LightningModule overrides ``configure_model``, where Lightning users shard
+        #: the model themselves. Without a ``parallelize_fn`` or unit options, the strategy then keeps Lightning's
+        #: ``"auto"`` sizes and shards only a model the hook left unsharded on a mesh without tensor parallelism.
+        self.user_shards_in_hook = False
         self.data_parallel_size = options.data_parallel_size
         self.tensor_parallel_size = options.tensor_parallel_size
         self.data_parallel_replicate_size = options.data_parallel_replicate_size
@@ -137,7 +151,7 @@ class ParallelCore:
         """
         layout = MeshLayout.resolve(
             self.data_parallel_size,
-            self.tensor_parallel_size,
+            self._tensor_parallel_arg(),
             world_size=cluster_environment.world_size(),
             num_nodes=num_nodes,
             devices_per_node=devices_per_node,
@@ -169,6 +183,19 @@ class ParallelCore:
         self.layout, self._device_mesh = layout, mesh
         register_mesh(mesh, self.fsdp_options)
         return mesh
+
+    @property
+    def shards_for_user(self) -> bool:
+        """Whether the strategy parallelizes the model itself (the default plan): no ``parallelize_fn``, and nothing
+        else that shards it (a Trainer ``configure_model``) unless unit options say the strategy should."""
+        return self.parallelize_fn is None and (not self.user_shards_in_hook or bool(self.options.chooses_units))
+
+    def _tensor_parallel_arg(self) -> SizeArg:
+        """``"auto"`` means no tensor parallelism when the strategy shards the model itself and nothing asks for
+        it (both sizes ``"auto"``); otherwise Lightning's meaning (the devices of a node)."""
+        if self.shards_for_user and self.tensor_parallel_size == "auto" and self.data_parallel_size == "auto":
+            return 1
+        return self.tensor_parallel_size
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -241,9 +268,12 @@ class ParallelCore:
             # only what is on the meta device; trained tensors are kept
             materialize(module, root_device, offload=getattr(module, _OFFLOADS, False))
             return module
-        if self.parallelize_fn is not None:
-            fn_name = getattr(self.parallelize_fn, "__name__", repr(self.parallelize_fn))
-            result = self.parallelize_fn(module, self.device_mesh)
+        if self.options.sync_module_states:
+            broadcast_module_states(module)
+        parallelize_fn = self.parallelize_fn or self._default_plan(module)
+        if parallelize_fn is not None:
+            fn_name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
+            result = parallelize_fn(module, self.device_mesh)
             if not isinstance(result, nn.Module):
                 raise TypeError(
                     f"`parallelize_fn` ({fn_name}) must return the parallelized `nn.Module`, but it returned"
@@ -262,6 +292,38 @@ class ParallelCore:
         setattr(module, _SET_UP_ON, mesh_key)
         setattr(module, _OFFLOADS, offload)
         return module
+
+    def _default_plan(self, module: nn.Module) -> ParallelizeFn | None:
+        """The plan that shards ``module`` when no ``parallelize_fn`` was given (``_strategy.default_plan``).
+
+        None when something else parallelized it already (the Trainer's ``configure_model``), which unit options
+        cannot change any more, or when that hook was meant to and a tensor-parallel mesh awaits its plan (the
+        warning about an unsharded model then says so).
+        """
+        parallelized = any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+            isinstance(p, DTensor) for p in module.parameters()
+        )
+        if parallelized:
+            if self.options.chooses_units:
+                given = ", ".join(f"`{n}`" for n in self.options.chooses_units)
+                raise ValueError(
+                    f"The model was parallelized before the strategy got it (in `configure_model`), so {given} cannot"
+                    " apply any more. Drop them, or leave the sharding to the strategy."
+                )
+            return None
+        layout = self.layout
+        tp = layout.tensor_parallel_size if layout is not None else 1
+        ep = layout.expert_parallel_size if layout is not None else 1
+        if not self.shards_for_user and tp > 1:
+            return None
+        return default_plan(
+            module,
+            fsdp_units=self.options.fsdp_units,
+            activation_checkpointing=self.options.activation_checkpointing,
+            tensor_parallel_size=tp,
+            expert_parallel_size=ep,
+            strategy_name=self.strategy_name,
+        )
 
     @staticmethod
     def module_to_device(module: nn.Module, root_device: torch.device) -> None:

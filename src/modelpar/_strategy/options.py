@@ -19,8 +19,13 @@ from modelpar._mesh.layout import SizeArg, check_context_parallel_size, check_ex
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT
 from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
+from modelpar.legacy import FSDP1_ARGUMENTS, translate_fsdp1_arguments
+from modelpar.plans import ActivationCheckpointing
+from modelpar.plans._units import ModuleSelector, normalize_selector
 
 __all__ = ["StrategyOptions"]
+
+_NAME = "ModelParallelStrategy"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class StrategyOptions:
     reshard_after_forward: bool | int | None = None
     gradient_accumulation: AccumulationMode = "sharded"
     peer_timeout: PeerTimeoutArg = DEFAULT_PEER_TIMEOUT
+    fsdp_units: ModuleSelector | None = None
+    activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None
+    sync_module_states: bool = False
 
     def __post_init__(self) -> None:
         check_size_arg("data_parallel_size", self.data_parallel_size)
@@ -55,11 +63,35 @@ class StrategyOptions:
             raise TypeError(f"`timeout` must be a `datetime.timedelta`, but got {self.timeout!r}.")
         resolve_peer_timeout(self.peer_timeout)
         GradientSyncControl(self.gradient_accumulation)  # validates the mode with the strategy's message
+        if self.fsdp_units is not None:
+            object.__setattr__(self, "fsdp_units", normalize_selector(self.fsdp_units, _NAME, "fsdp_units"))
+        checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, str):
+            if checkpointing not in ("full", "selective"):
+                raise ValueError(
+                    f"`activation_checkpointing={checkpointing!r}` is not a mode. Use 'full', 'selective', or the"
+                    " modules to checkpoint (a set of classes such as {TransformerBlock}, patterns or a predicate)."
+                )
+        elif checkpointing is not None:
+            object.__setattr__(
+                self, "activation_checkpointing", normalize_selector(checkpointing, _NAME, "activation_checkpointing")
+            )
+        if not isinstance(self.sync_module_states, bool):
+            raise TypeError(f"`sync_module_states` must be a bool, but got {self.sync_module_states!r}.")
+
+    @property
+    def chooses_units(self) -> tuple[str, ...]:
+        """The given options that choose what the strategy shards or checkpoints itself (no ``parallelize_fn``)."""
+        return tuple(name for name in ("fsdp_units", "activation_checkpointing") if getattr(self, name) is not None)
 
     @classmethod
     def pick(cls, arguments: Mapping[str, Any]) -> StrategyOptions:
-        """The options among a front end's arguments (its ``locals()``): the fields declared here, no others."""
-        return cls(**{field.name: arguments[field.name] for field in fields(cls)})
+        """The options among a front end's arguments (its ``locals()``): the fields declared here, with Lightning
+        ``FSDPStrategy``'s arguments (:data:`modelpar.legacy.FSDP1_ARGUMENTS`) folded in, and any other keyword
+        argument (``kwargs``) refused by name."""
+        own = {field.name: arguments[field.name] for field in fields(cls)}
+        fsdp1 = {name: arguments[name] for name in FSDP1_ARGUMENTS}
+        return cls(**translate_fsdp1_arguments(own, fsdp1, arguments.get("kwargs") or {}))
 
 
 def _check_fsdp_args(mixed_precision: Any, cpu_offload: Any, reshard_after_forward: Any) -> None:

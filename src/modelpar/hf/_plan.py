@@ -27,6 +27,7 @@ from modelpar.hf._styles import (
 from modelpar.plans import ActivationCheckpointing, ParallelPlan
 from modelpar.plans._checks import matches
 from modelpar.plans._styles import StyleSpec
+from modelpar.plans._units import unsplit_modules
 
 __all__ = ["HF_REFUSED", "HF_STYLES", "plan_for"]
 
@@ -202,11 +203,7 @@ def _tied_head(model: nn.Module) -> bool:
 
 def _decoder_layers(model: nn.Module) -> tuple[str, ...]:
     """Patterns of the decoder layers: the ``_no_split_modules`` classes, else the base model's ``layers.*``."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    patterns: dict[str, None] = {}
-    for name, module in model.named_modules():
-        if name and type(module).__name__ in classes:
-            patterns[re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)] = None
+    patterns = {re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name): None for name in unsplit_modules(model)}
     if patterns:
         # A unit nested in another of the same pattern family is fine; FSDP shards the deepest first.
         return tuple(patterns)

@@ -44,6 +44,7 @@ from modelpar.plans._checks import resolve_styles, resolve_units
 from modelpar.plans._experts import drop_expert_styles, moe_modules
 from modelpar.plans._plan import ParallelPlan
 from modelpar.plans._styles import StyleSpec
+from modelpar.plans._units import outermost
 
 __all__ = ["OPTIMIZER_STATES", "MemoryEstimate", "estimate_memory", "hf_on_meta", "llama_on_meta"]
 
@@ -165,8 +166,9 @@ def estimate_memory(
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
     if experts:  # as the plan applies them: under expert parallelism, experts are not tensor-parallel
         styles = drop_expert_styles(styles, moe_modules(model, plan.experts, layout.expert_parallel_size))
-    units = resolve_units(model, plan.fsdp_units)
+    units = resolve_units(model, plan.fsdp_units) if plan.fsdp_units else []
     notes: set[str] = set()
+    plan = _checkpointing_as_mode(model, plan, units, notes)
 
     true_dtype = _TRUE_DTYPES.get(precision)
     sharded = unsharded_grads = optimizer_bytes = 0
@@ -223,7 +225,7 @@ def estimate_memory(
             cp=cp,
             sequence_parallel=plan.sequence_parallel and tp > 1,
             loss_parallel=plan.loss_parallel and tp > 1,
-            checkpointing=plan.activation_checkpointing,
+            checkpointing=str(plan.activation_checkpointing),  # a mode: _checkpointing_as_mode
             ac_every=plan.ac_every,
             compiled=compiled,
         )
@@ -334,3 +336,22 @@ def _unit_of(module_name: str, units: list[str]) -> str:
     """The deepest FSDP unit that holds ``module_name`` (``fully_shard`` bottom-up: inner units own theirs)."""
     owners = [u for u in units if module_name == u or module_name.startswith(u + ".")]
     return max(owners, key=len) if owners else ROOT
+
+
+def _checkpointing_as_mode(model: nn.Module, plan: ParallelPlan, units: list[str], notes: set[str]) -> ParallelPlan:
+    """The plan with activation checkpointing by class (or pattern, or predicate) as the mode it amounts to.
+
+    The activation model counts checkpointing per decoder layer: modules selected by class that are the outermost
+    FSDP units (FSDP1's usual ``activation_checkpointing_policy={Block}`` beside ``auto_wrap_policy={Block}``) are
+    ``"full"``; any other selection is counted as ``"none"`` (an upper bound), and the report says so.
+    """
+    if isinstance(plan.activation_checkpointing, str):
+        return plan
+    mode, checkpointed = plan.checkpointed(model, outermost(units))
+    if checkpointed == outermost(units):
+        return plan.replace(activation_checkpointing=mode)
+    notes.add(
+        "activation checkpointing: the plan checkpoints modules other than its outermost FSDP units; their"
+        " activations are counted as if nothing were checkpointed (an upper bound)."
+    )
+    return plan.replace(activation_checkpointing="none")

@@ -8,6 +8,7 @@ from modelpar._errors import UnsupportedStyleError
 from modelpar.plans._loss import loss_parallel
 from modelpar.plans._plan import ActivationCheckpointing, ParallelPlan
 from modelpar.plans._styles import STYLES
+from modelpar.plans._units import ModuleSelector
 from modelpar.plans.llama import LLAMA_MOE_PLAN, LLAMA_PLAN, LlamaParallelConfig, llama_tp_plan, parallelize_llama
 
 #: The style names a :class:`ParallelPlan` understands.
@@ -19,6 +20,7 @@ __all__ = [
     "STYLE_NAMES",
     "ActivationCheckpointing",
     "LlamaParallelConfig",
+    "ModuleSelector",
     "ParallelPlan",
     "UnsupportedStyleError",
     "llama_tp_plan",

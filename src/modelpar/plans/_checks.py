@@ -18,6 +18,7 @@ from torch import nn
 
 from modelpar._errors import UnsupportedStyleError
 from modelpar.plans._styles import COLUMN_STYLES, STYLES, StyleSpec, sharded_dims
+from modelpar.plans._units import ModuleSelector, describe_selector, select
 
 __all__ = [
     "HEAD_COUNT_ATTRIBUTES",
@@ -127,16 +128,28 @@ def resolve_modules(model: nn.Module, field: str, patterns: Iterable[str], what:
     return found
 
 
-def resolve_units(model: nn.Module, fsdp_units: Iterable[str]) -> list[str]:
-    """Names of the FSDP units, in the model's module order; raise for a pattern matching nothing."""
+def resolve_units(model: nn.Module, fsdp_units: ModuleSelector, field: str = "fsdp_units") -> list[str]:
+    """Names of the selected submodules (FSDP units), in the model's module order; raise when a selector picks none.
+
+    ``fsdp_units`` is patterns (each must match), module classes or a predicate (see ``plans._units``).
+    """
     modules = _submodules(model)
-    chosen: set[str] = set()
-    for pattern in fsdp_units:
-        found = {name for name in modules if matches(pattern, name)}
-        if not found:
-            raise _no_match("fsdp_units", pattern, model, modules)
-        chosen |= found
-    return [name for name in modules if name in chosen]
+    if isinstance(fsdp_units, tuple):
+        chosen: set[str] = set()
+        for pattern in fsdp_units:
+            found = {name for name in modules if matches(pattern, name)}
+            if not found:
+                raise _no_match(field, pattern, model, modules)
+            chosen |= found
+        return [name for name in modules if name in chosen]
+    picked = select(model, fsdp_units)
+    if not picked:
+        raise ValueError(
+            f"ParallelPlan.{field}: {describe_selector(fsdp_units)} selects no submodule of {type(model).__name__}."
+            f" Its module classes are {sorted({type(m).__name__ for m in modules.values()})[:12]}; name one of"
+            " them, or use patterns such as ('layers.*',)."
+        )
+    return picked
 
 
 def _head_counts(model: nn.Module) -> list[tuple[str, int]]:

@@ -31,6 +31,7 @@ from modelpar.plans._checks import (
 from modelpar.plans._context import apply_context_parallel, attention_modules, is_hugging_face
 from modelpar.plans._experts import apply_experts, drop_expert_styles, moe_modules
 from modelpar.plans._styles import STYLES, StyleSpec, apply_style
+from modelpar.plans._units import ModuleSelector, normalize_selector, outermost
 
 __all__ = ["ActivationCheckpointing", "ParallelPlan"]
 
@@ -83,12 +84,15 @@ class ParallelPlan:
                            gradient backward; torchtitan's ``PrepareModuleInput``); nothing otherwise.
             ============== ===================================================================================
 
-        fsdp_units: patterns of the submodules that become FSDP units (``("layers.*",)``); the root is always
-            sharded last, so a plan with no units shards the whole model as one.
+        fsdp_units: the submodules that become FSDP units: patterns (``("layers.*",)``), module classes as FSDP1's
+            ``ModuleWrapPolicy`` took them (``{TransformerBlock}``), or a predicate ``(module) -> bool``. The root is
+            always sharded last, so a plan with no units shards the whole model as one.
         activation_checkpointing: ``"none"``; ``"full"``: recompute every activation of a unit in backward;
             ``"selective"``: keep the outputs of matrix multiplies and attention, recompute the rest. Applied
             to the outermost FSDP units, with ``torch.utils.checkpoint`` (non-reentrant) and no wrapper
-            module, so parameter and checkpoint names do not change.
+            module, so parameter and checkpoint names do not change. Or the modules to checkpoint fully, by
+            class (``{TransformerBlock}``, as FSDP1's ``activation_checkpointing_policy``), by patterns or by a
+            predicate, whether or not they are FSDP units (the outermost of them; ``ac_every`` counts those).
         ac_every: checkpoint every k-th of those units (the k-th, 2k-th, ...; 1: all of them).
         compile: ``torch.compile`` each outermost FSDP unit (``module.compile()``: names do not change).
         sequence_parallel: shard the stream along the sequence between the tensor-parallel regions (norms
@@ -111,8 +115,8 @@ class ParallelPlan:
     """
 
     tensor_parallel: Mapping[str, StyleSpec] = field(default_factory=dict)
-    fsdp_units: tuple[str, ...] = ()
-    activation_checkpointing: ActivationCheckpointing = "none"
+    fsdp_units: ModuleSelector = ()
+    activation_checkpointing: ActivationCheckpointing | ModuleSelector = "none"
     ac_every: int = 1
     compile: bool = False
     sequence_parallel: bool = False
@@ -144,11 +148,7 @@ class ParallelPlan:
                     f"ParallelPlan.tensor_parallel: {pattern!r} maps to {type(style).__name__}; a style is one of"
                     f" {list(STYLES)} or a `torch.distributed.tensor.parallel.ParallelStyle`."
                 )
-        if isinstance(self.fsdp_units, str) or not all(isinstance(p, str) and p for p in self.fsdp_units):
-            raise TypeError(
-                f"ParallelPlan(fsdp_units={self.fsdp_units!r}) must be a tuple of non-empty patterns, such as"
-                " ('layers.*',)."
-            )
+        object.__setattr__(self, "fsdp_units", normalize_selector(self.fsdp_units, "ParallelPlan", "fsdp_units"))
         if isinstance(self.attention, str) or not all(isinstance(p, str) and p for p in self.attention):
             raise TypeError(
                 f"ParallelPlan(attention={self.attention!r}) must be a tuple of non-empty patterns, such as"
@@ -159,10 +159,17 @@ class ParallelPlan:
                 f"ParallelPlan(experts={self.experts!r}) must be a tuple of non-empty patterns, such as"
                 " ('layers.*.moe',)."
             )
-        if self.activation_checkpointing not in get_args(ActivationCheckpointing):
+        if not isinstance(self.activation_checkpointing, str):
+            object.__setattr__(
+                self,
+                "activation_checkpointing",
+                normalize_selector(self.activation_checkpointing, "ParallelPlan", "activation_checkpointing"),
+            )
+        elif self.activation_checkpointing not in get_args(ActivationCheckpointing):
             raise ValueError(
                 f"ParallelPlan(activation_checkpointing={self.activation_checkpointing!r}) is not a mode. Use one"
-                f" of {list(get_args(ActivationCheckpointing))}."
+                f" of {list(get_args(ActivationCheckpointing))}. Or name the modules to checkpoint: classes such as"
+                " {TransformerBlock}, patterns, or a predicate."
             )
         if isinstance(self.ac_every, bool) or not isinstance(self.ac_every, int) or self.ac_every < 1:
             raise ValueError(
@@ -170,7 +177,7 @@ class ParallelPlan:
                 " (1 for all of them)."
             )
         wants_units = [f"activation_checkpointing={self.activation_checkpointing!r}"] * (
-            self.activation_checkpointing != "none"
+            self.activation_checkpointing in ("full", "selective")
         ) + ["compile=True"] * bool(self.compile)
         if wants_units and not self.fsdp_units:
             raise ValueError(
@@ -185,7 +192,6 @@ class ParallelPlan:
             )
         # Frozen means frozen: a read-only copy, so a plan shared between runs cannot be changed under them.
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
-        object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
         object.__setattr__(self, "attention", tuple(self.attention))
         object.__setattr__(self, "experts", tuple(self.experts))
 
@@ -226,11 +232,18 @@ class ParallelPlan:
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         if expert_parallel_size > 1:
             styles = drop_expert_styles(styles, moes)
-        units = resolve_units(model, self.fsdp_units)
+        units = resolve_units(model, self.fsdp_units) if self.fsdp_units else []
         check_refused(styles, tensor_parallel_size)
         check_divisible(model, styles, tensor_parallel_size)
         check_layers_sharded(model, styles, units, tensor_parallel_size)
         return styles, units
+
+    def checkpointed(self, model: nn.Module, top_units: list[str]) -> tuple[ActivationCheckpointing, list[str]]:
+        """The checkpointing mode and the modules it applies to: the outermost FSDP units for a mode, else the
+        outermost of the modules ``activation_checkpointing`` selects (fully recomputed)."""
+        if isinstance(self.activation_checkpointing, str):
+            return self.activation_checkpointing, top_units if self.activation_checkpointing != "none" else []
+        return "full", outermost(resolve_units(model, self.activation_checkpointing, "activation_checkpointing"))
 
     def __call__(self, model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         """Apply the plan to ``model`` on the strategy's ``device_mesh`` (2-D, or 3-D under HSDP); return it."""
@@ -252,13 +265,14 @@ class ParallelPlan:
                     sequence_parallel=self.sequence_parallel,
                     loss_parallel=self.loss_parallel,
                 )
-        outermost = [u for u in units if not any(u.startswith(other + ".") for other in units)]
-        if self.activation_checkpointing != "none":
-            for index, name in enumerate(outermost, start=1):
+        top = outermost(units)
+        mode, checkpointed = self.checkpointed(model, top)
+        if mode != "none":
+            for index, name in enumerate(checkpointed, start=1):
                 if index % self.ac_every == 0:
-                    checkpoint_module(model.get_submodule(name), self.activation_checkpointing)
+                    checkpoint_module(model.get_submodule(name), mode)
         if self.compile:
-            for name in outermost:
+            for name in top:
                 model.get_submodule(name).compile()
         overrides: dict[str, Any] = {}
         if self.reshard_after_forward is not None:
