@@ -29,7 +29,15 @@ if not installed("pytorch"):  # pragma: no cover - exercised only without the ex
 import torch
 from lightning_utilities.core.overrides import is_overridden
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+from torch.distributed.fsdp import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    register_fsdp_forward_method,
+)
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -191,6 +199,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
                 "`parallelize_fn` must parallelize the LightningModule in place and return that same module"
                 f" (it returned a different {type(module).__name__}); the Trainer keeps using the original."
             )
+        _steps_run_fsdp_hooks(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._install_mesh_aware_clipping()
@@ -346,6 +355,22 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+#: The LightningModule methods the Trainer calls in place of ``forward``.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _steps_run_fsdp_hooks(module: Any) -> None:
+    """Make the step methods of a LightningModule that is itself an FSDP unit gather its parameters, as forward does.
+
+    When the module is sharded as the root (the strategy's own plan does that), FSDP2 all-gathers the parameters
+    no block holds (embeddings, the head) in its pre-forward hook, but the Trainer calls ``training_step`` and never
+    ``forward``; torch's ``register_fsdp_forward_method`` runs the same hooks around those methods.
+    """
+    if isinstance(module, FSDPModule):
+        for name in _STEP_METHODS:
+            register_fsdp_forward_method(module, name)  # type: ignore[arg-type]  # an FSDPModule is a Module
 
 
 def _overrides_configure_model(module: Any) -> bool:

@@ -64,6 +64,11 @@ def test_fsdp1_migration_example_resumes_the_fsdp1_run_with_its_losses(tmp_path)
     assert "on a (1, 2) mesh" in out and "match the FSDP1 run's: True" in out
 
 
+def test_one_line_switch_example_trains_resumes_and_repeats_its_losses(tmp_path):
+    out = run(str(ROOT / "examples/fsdp1_migration/one_line_switch.py"), "--out", str(tmp_path / "ckpt"), cwd=tmp_path)
+    assert "FSDP2 units of Llama" in out and "the loaded run repeats the losses: True" in out, out[-3000:]
+
+
 def test_resume_example_saves_on_sigterm_under_torchrun_and_a_second_run_resumes_from_s3(tmp_path, s3_bucket):
     script = str(ROOT / "examples/fabric/train_resume.py")
     run_dir = f"{s3_bucket}/runs/demo"

@@ -29,7 +29,14 @@ from lightning_fabric import Fabric
 from lightning_fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import FSDPStrategy as TrainerFSDPStrategy
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType, StateDictType
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import (
+    FSDPModule,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    OptimStateKeyType,
+    StateDictType,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from harness import PG_TIMEOUT, run_distributed
@@ -42,6 +49,7 @@ from modelpar.checkpoint import (
     optimizer_state_to_names,
     optimizer_state_to_positions,
 )
+from modelpar.models.llama import TransformerBlock
 from modelpar.plans import parallelize_llama
 from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
 from parity import full, global_batches, lm_loss, make_fabric, reference_model
@@ -52,7 +60,21 @@ CPU = torch.device("cpu")
 
 
 class CPUFabricFSDPStrategy(FabricFSDPStrategy):
-    """Lightning's Fabric FSDPStrategy, unchanged; only its type differs, which lets Fabric run it on CPU."""
+    """Lightning's Fabric FSDPStrategy, unchanged; only its type differs, which lets Fabric run it on CPU. FSDP1 on
+    CPU must be told its device (Lightning passes ``root_device.index``, None there), so the wrap Lightning would do
+    is done here with ``device_id=CPU``, with Lightning's own arguments; Lightning's code does the rest (AC ...)."""
+
+    def setup_module(self, module: torch.nn.Module) -> Any:
+        if not any(isinstance(m, FSDP) for m in module.modules()):
+            module = FSDP(
+                module,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=CPU,
+                **self._fsdp_kwargs,
+            )
+        return super().setup_module(module)
 
 
 class CPUTrainerFSDPStrategy(TrainerFSDPStrategy):
@@ -110,6 +132,47 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
+#: The arguments of a script written for Lightning's ``FSDPStrategy``; the one-line switch changes only the class.
+SCRIPT_ARGS: dict[str, Any] = {
+    "auto_wrap_policy": {TransformerBlock},
+    "activation_checkpointing_policy": {TransformerBlock},
+    "state_dict_type": "sharded",
+    "timeout": PG_TIMEOUT,
+}
+SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def fsdp_strategy_script(fabric: Any, resume: Path | None, save: Path | None, steps: int) -> tuple[Any, list[float]]:
+    """A training script written for Lightning's ``FSDPStrategy`` (Fabric): the strategy is its only variable."""
+    model = fabric.setup_module(reference_model())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume is not None:
+        fabric.load(resume, state)
+    losses, batches = [], global_batches(steps)
+    while state["step"] < steps:
+        x, y = batches[state["step"]]
+        per = x.shape[0] // fabric.world_size
+        rows = slice(fabric.global_rank * per, (fabric.global_rank + 1) * per)
+        loss = lm_loss(model(x[rows]), y[rows])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        state["step"] += 1
+        if save is not None and state["step"] == 2:
+            fabric.save(save, state)
+    return model, losses
+
+
+class FSDP1StyleModule(LlamaModule):
+    """A LightningModule written for Lightning's ``FSDPStrategy``: ``configure_model`` builds, the strategy wraps."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = reference_model()
+
+
 # ---------------------------------------------------------------------------------------------------
 # spawn 1: write with FSDP1
 # ---------------------------------------------------------------------------------------------------
@@ -139,6 +202,14 @@ def write_fsdp1_checkpoints(root: Path) -> dict[str, Any]:
     sd_next, _ = fsdp1_full_state(fsdp_model, optimizer.optimizer)
     if dist.get_rank() == 0:
         torch.save({"loss": global_loss.item() / 2, "model": sd_next}, root / "truth-next.pt")
+    # the script, with Lightning's own FSDPStrategy: writes at step 2, goes on to step 3 (the truth for the switch)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=CPUFabricFSDPStrategy(**SCRIPT_ARGS))
+    fabric.launch()
+    model, losses = fsdp_strategy_script(fabric, None, root / "script-fsdp1", steps=3)
+    # `model.module` is the model as given; the FSDP1 root Lightning wrapped it in is the forward module
+    script_sd = get_model_state_dict(model._forward_module, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        torch.save({"loss": losses[-1], "model": script_sd}, root / "truth-script.pt")
     out["detect"] = _fsdp1_models_are_refused()
     for kind in ("sharded", "full"):
         trainer = quiet_trainer(
@@ -265,6 +336,28 @@ def load_into_fsdp2_tp(root: Path) -> dict[str, Any]:
         got = {k: full(v) for k, v in module.model.state_dict().items()}
         torch.testing.assert_close(got, reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
         out[f"trainer-{kind}"] = trainer.global_step
+    # the same script with only the class changed, for each sharding strategy, resumes Lightning FSDP1's checkpoint
+    truth_script = torch.load(root / "truth-script.pt", weights_only=True)
+    for sharding in SHARDING:
+        strategy = ModelParallelStrategy(**SCRIPT_ARGS, sharding_strategy=sharding)
+        fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)
+        fabric.launch()
+        model, losses = fsdp_strategy_script(fabric, root / "script-fsdp1", None, steps=3)
+        assert abs(losses[-1] - truth_script["loss"]) < 1e-5, (sharding, losses, truth_script["loss"])
+        got = {k: full(v) for k, v in model.module.state_dict().items()}
+        torch.testing.assert_close(
+            got, truth_script["model"], atol=2e-5, rtol=1e-4, msg=lambda m, s=sharding: f"{s}: {m}"
+        )
+        units = [n for n, m in model.module.named_modules() if n and isinstance(m, FSDPModule)]
+        out[f"script-{sharding}"] = (tuple(strategy.device_mesh.shape), units, strategy._core.options)
+    for sharding in ("FULL_SHARD", "HYBRID_SHARD"):
+        strategy = TrainerStrategy(**SCRIPT_ARGS, sharding_strategy=sharding)
+        trainer = quiet_trainer(accelerator="cpu", devices=2, num_nodes=2, max_epochs=3, strategy=strategy)
+        module = FSDP1StyleModule()
+        trainer.fit(module, loader(GLOBAL_BATCH // 4), ckpt_path=root / "trainer-sharded" / "epoch=0-step=1.ckpt")
+        got = {k: full(v) for k, v in module.model.state_dict().items()}
+        torch.testing.assert_close(got, reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
+        out[f"trainer-script-{sharding}"] = (trainer.global_step, tuple(strategy.device_mesh.shape))
     # re-keying a FSDP2/TP optimizer's own state dict
     by_name = optimizer_state_to_names(sopt.state_dict(), smodel, sopt)
     assert set(by_name["state"]) == {clean_name(n) for n, _ in smodel.named_parameters()}
@@ -293,6 +386,25 @@ def test_fabric_fsdp1_checkpoints_load_on_other_layouts_and_training_continues_w
     results = fsdp1["loaded"][0]
     for where in ("fabric-sharded -> 2x2", "fabric-full.ckpt -> 1x4", "fabric-sharded -> 4x1"):
         assert where in results
+
+
+def test_a_script_for_lightnings_fsdp_strategy_runs_with_only_the_class_changed_for_each_sharding_strategy(fsdp1):
+    """Resuming the checkpoint Lightning's FSDPStrategy wrote, step 3 gives FSDP1's own loss and weights."""
+    results = fsdp1["loaded"][0]
+    meshes = {s: results[f"script-{s}"][0] for s in SHARDING}
+    assert meshes == {
+        "FULL_SHARD": (4, 1),
+        "SHARD_GRAD_OP": (4, 1),
+        "HYBRID_SHARD": (2, 2, 1),
+        "_HYBRID_SHARD_ZERO2": (2, 2, 1),
+    }
+    for sharding in SHARDING:
+        _, units, options = results[f"script-{sharding}"]
+        assert units == ["layers.0", "layers.1"]
+        assert options.reshard_after_forward is (False if "ZERO2" in sharding or "GRAD_OP" in sharding else None)
+        assert options.save_distributed_checkpoint is True
+    assert results["trainer-script-FULL_SHARD"] == (3, (4, 1))
+    assert results["trainer-script-HYBRID_SHARD"] == (3, (2, 2, 1))
 
 
 def test_trainer_fsdp1_checkpoints_resume_on_other_layouts_like_the_reference(fsdp1):

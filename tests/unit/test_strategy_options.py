@@ -17,7 +17,7 @@ from modelpar.fabric import ModelParallelStrategy as FabricStrategy
 from modelpar.legacy import FSDP1_ARGUMENTS
 from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
 
-FIELDS = {field.name: field.default for field in dataclasses.fields(StrategyOptions)}
+FIELDS = {f.name: f.default for f in dataclasses.fields(StrategyOptions) if not f.metadata.get("derived")}
 #: Lightning FSDPStrategy's arguments, taken under their own names and folded into the options (``None``: not given).
 FSDP1 = dict.fromkeys(FSDP1_ARGUMENTS)
 
@@ -60,7 +60,10 @@ def test_pick_takes_the_declared_fields_and_nothing_else():
     assert StrategyOptions.pick(arguments) == StrategyOptions(data_parallel_size=4)
     arguments = {**arguments, "sharding_strategy": "SHARD_GRAD_OP", "state_dict_type": "full"}
     assert StrategyOptions.pick(arguments) == StrategyOptions(
-        data_parallel_size=4, reshard_after_forward=False, save_distributed_checkpoint=False
+        data_parallel_size=4,
+        reshard_after_forward=False,
+        save_distributed_checkpoint=False,
+        fsdp1_arguments=("sharding_strategy", "state_dict_type"),
     )
     with pytest.raises(KeyError):
         StrategyOptions.pick({"data_parallel_size": 4})  # a front end that forgot an option fails loudly

@@ -187,8 +187,12 @@ class ParallelCore:
     @property
     def shards_for_user(self) -> bool:
         """Whether the strategy parallelizes the model itself (the default plan): no ``parallelize_fn``, and nothing
-        else that shards it (a Trainer ``configure_model``) unless unit options say the strategy should."""
-        return self.parallelize_fn is None and (not self.user_shards_in_hook or bool(self.options.chooses_units))
+        else that shards it (a Trainer ``configure_model``) unless unit options or Lightning ``FSDPStrategy``'s
+        arguments (which come from a strategy that always shards the model itself) say the strategy should."""
+        options = self.options
+        return self.parallelize_fn is None and (
+            not self.user_shards_in_hook or bool(options.chooses_units) or bool(options.fsdp1_arguments)
+        )
 
     def _tensor_parallel_arg(self) -> SizeArg:
         """``"auto"`` means no tensor parallelism when the strategy shards the model itself and nothing asks for

@@ -19,7 +19,7 @@ from torch import nn
 from modelpar.plans import ParallelPlan
 from modelpar.plans._checks import resolve_units
 from modelpar.plans._context import is_hugging_face
-from modelpar.plans._units import ModuleSelector, describe_selector, repeated_blocks, unsplit_modules
+from modelpar.plans._units import ModuleSelector, SelectedBy, describe_selector, repeated_blocks, unsplit_modules
 
 __all__ = ["default_plan"]
 
@@ -54,7 +54,9 @@ def default_plan(
             f" {axis.split('=')[0]}=1`."
         )
     if fsdp_units is not None:
-        units, how = resolve_units(model, fsdp_units), f"fsdp_units={describe_selector(fsdp_units)}"
+        described = describe_selector(fsdp_units)  # an FSDP1 policy says which argument it came from
+        units = resolve_units(model, fsdp_units) if fsdp_units else []
+        how = described if isinstance(fsdp_units, SelectedBy) else f"fsdp_units={described}"
     elif unsplit_modules(model):
         units, how = unsplit_modules(model), "its `_no_split_modules`"
     else:
@@ -72,12 +74,15 @@ def default_plan(
         from modelpar.hf import plan_for  # the hf extra: only a Hugging Face model gets here
 
         plan = plan_for(model).replace(fsdp_units=plan.fsdp_units, activation_checkpointing=checkpointing)
-    _report(model, units, how, strategy_name)
+    _report(model, units, how, strategy_name, named=fsdp_units is not None)
     return plan
 
 
-def _report(model: nn.Module, units: list[str], how: str, strategy_name: str) -> None:
+def _report(model: nn.Module, units: list[str], how: str, strategy_name: str, *, named: bool) -> None:
     name = type(model).__name__
+    if not units and named:  # `fsdp_units=()`: the root alone, as asked
+        rank_zero_info(f"{strategy_name}: FSDP2 shards {name} as one unit ({how}).")
+        return
     if not units:
         total = sum(p.numel() for p in model.parameters())
         rank_zero_warn(

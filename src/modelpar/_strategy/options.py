@@ -9,7 +9,7 @@ checks that every field is in both signatures with the same default).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +51,9 @@ class StrategyOptions:
     fsdp_units: ModuleSelector | None = None
     activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None
     sync_module_states: bool = False
+    #: Derived, not an argument: the Lightning ``FSDPStrategy`` arguments given (folded into the fields above by
+    #: :meth:`pick`). They say the user came from FSDP1, where the strategy shards the model itself.
+    fsdp1_arguments: tuple[str, ...] = field(default=(), metadata={"derived": True})
 
     def __post_init__(self) -> None:
         check_size_arg("data_parallel_size", self.data_parallel_size)
@@ -81,17 +84,24 @@ class StrategyOptions:
 
     @property
     def chooses_units(self) -> tuple[str, ...]:
-        """The given options that choose what the strategy shards or checkpoints itself (no ``parallelize_fn``)."""
-        return tuple(name for name in ("fsdp_units", "activation_checkpointing") if getattr(self, name) is not None)
+        """The given options that choose what the strategy shards or checkpoints itself (no ``parallelize_fn``),
+        by the names the user gave them (``auto_wrap_policy`` for the units it became)."""
+        given = {"fsdp_units": "auto_wrap_policy", "activation_checkpointing": "activation_checkpointing_policy"}
+        return tuple(
+            given[name] if given[name] in self.fsdp1_arguments else name
+            for name in given
+            if getattr(self, name) is not None
+        )
 
     @classmethod
     def pick(cls, arguments: Mapping[str, Any]) -> StrategyOptions:
         """The options among a front end's arguments (its ``locals()``): the fields declared here, with Lightning
         ``FSDPStrategy``'s arguments (:data:`modelpar.legacy.FSDP1_ARGUMENTS`) folded in, and any other keyword
         argument (``kwargs``) refused by name."""
-        own = {field.name: arguments[field.name] for field in fields(cls)}
+        own = {f.name: arguments[f.name] for f in fields(cls) if not f.metadata.get("derived")}
         fsdp1 = {name: arguments[name] for name in FSDP1_ARGUMENTS}
-        return cls(**translate_fsdp1_arguments(own, fsdp1, arguments.get("kwargs") or {}))
+        given = tuple(name for name, value in fsdp1.items() if value is not None)
+        return cls(**translate_fsdp1_arguments(own, fsdp1, arguments.get("kwargs") or {}), fsdp1_arguments=given)
 
 
 def _check_fsdp_args(mixed_precision: Any, cpu_offload: Any, reshard_after_forward: Any) -> None:

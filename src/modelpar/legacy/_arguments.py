@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPol
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from modelpar._errors import ShardingStrategyError
-from modelpar.plans._units import ModuleSelector, SelectedBy, normalize_selector
+from modelpar.plans._units import ModuleSelector, SelectedBy, describe_selector, normalize_selector, select
 
 __all__ = ["FSDP1_ARGUMENTS", "translate_fsdp1_arguments", "wrap_policy_selector"]
 
@@ -48,7 +48,14 @@ _REFUSED = {
     "param_init_fn": "build the model on the meta device (`fabric.init_module(empty_init=True)`, or the Trainer's"
     " `configure_model`): the strategy materializes each rank's shards with the modules' `reset_parameters`",
     "device_id": "the strategy places the model on its own device (`fabric.device`)",
-    "activation_checkpointing": "",  # the strategy's own argument; never reaches here
+    # Lightning Trainer FSDPStrategy's plugins and devices: the Trainer's own arguments
+    "checkpoint_io": "the strategy saves and loads checkpoints itself (sharded or full, `state_dict_type`), without"
+    " a `CheckpointIO` plugin",
+    "precision_plugin": "pass the precision to the Trainer (`Trainer(precision='bf16-mixed')`), or an FSDP2 policy as"
+    " `mixed_precision`",
+    "accelerator": "pass it to the Trainer (`Trainer(accelerator=...)`)",
+    "parallel_devices": "pass the devices to the Trainer (`Trainer(devices=...)`)",
+    "cluster_environment": "pass it to the Trainer (`Trainer(plugins=[environment])`)",
 }
 
 _SHARDING: dict[str, dict[str, Any]] = {
@@ -122,7 +129,10 @@ def wrap_policy_selector(policy: Any, name: str) -> ModuleSelector:
     ``CustomPolicy``, whose per-module argument overrides have no FSDP2 counterpart here and are refused.
     """
     if isinstance(policy, (set, frozenset, list, tuple, type)):
-        return normalize_selector(policy, "ModelParallelStrategy", name)
+        classes = normalize_selector(policy, "ModelParallelStrategy", name)
+        if not isinstance(classes, frozenset):
+            raise TypeError(f"`{name}` takes module classes, such as {{TransformerBlock}}, but got {policy!r}.")
+        return SelectedBy(lambda model: select(model, classes), f"{name}={describe_selector(classes)}")
     description = getattr(policy, "__name__", None) or getattr(getattr(policy, "func", None), "__name__", None)
     description = description or type(policy).__name__
     if callable(policy):

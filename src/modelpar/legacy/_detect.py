@@ -26,7 +26,9 @@ def reject_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
     raise TypeError(
         f"The model passed to `{strategy_name}` has modules wrapped with FSDP1"
         f" (`torch.distributed.fsdp.FullyShardedDataParallel`): {shown}. `{strategy_name}` shards with"
-        " FSDP2 and cannot take FSDP1 wrappers. Pass the unwrapped model and shard it in your"
-        " `parallelize_fn` instead: call `torch.distributed.fsdp.fully_shard(block, mesh=...)` on each block"
-        " (where you had an auto-wrap policy), then on the root. See docs/migrating-from-fsdp1.md."
+        " FSDP2 and cannot take FSDP1 wrappers. Pass the unwrapped model and let the strategy shard it: give it the"
+        " classes you wrapped as `auto_wrap_policy={Block}` (or `fsdp_units={Block}`), as Lightning's"
+        " `FSDPStrategy` took them; or shard it in your `parallelize_fn` with"
+        " `torch.distributed.fsdp.fully_shard(block, mesh=...)` on each block, then on the root. See"
+        " docs/migrating-from-fsdp1.md."
     )
