@@ -152,6 +152,23 @@ def case_no_repeated_blocks(world_size: int) -> dict[str, Any]:
     }
 
 
+def case_sync_module_states(world_size: int) -> dict[str, Any]:
+    """``sync_module_states=True``: ranks built with different seeds all end with rank 0's weights; a model real on
+    one rank and meta on another is refused on every rank instead of hanging."""
+    from parity import full
+
+    fabric = _fabric(world_size, sync_module_states=True)
+    model = fabric.setup_module(reference_model(seed=100 + fabric.global_rank))
+    rank0 = reference_model(seed=100).state_dict()
+    worst = max((full(v) - rank0[k]).abs().max().item() for k, v in model.module.state_dict().items())
+    if fabric.global_rank == 0:
+        mixed = reference_model()
+    else:
+        with torch.device("meta"):
+            mixed = reference_model()
+    return {"worst": worst, "mixed": error_text(lambda: fabric.setup_module(mixed))}
+
+
 def run_two(_: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {"llama": case_llama(2)}
     out["qwen3"] = case_hf("qwen3", 2)
@@ -159,6 +176,7 @@ def run_two(_: Any = None) -> dict[str, Any]:
     out["ac_by_class"] = case_selective_checkpointing_by_class(2)
     out["refusals"] = case_refusals(2)
     out["no_blocks"] = case_no_repeated_blocks(2)
+    out["sync"] = case_sync_module_states(2)
     return out
 
 
@@ -222,3 +240,11 @@ def test_a_model_without_repeated_blocks_is_one_unit_with_a_warning(two):
     result = two[0]["no_blocks"]
     assert result["sharded"] and result["units"] == []
     assert len(result["warned"]) == 1 and "all-gathers all 212 parameters at once" in result["warned"][0]
+
+
+def test_sync_module_states_gives_every_rank_rank_zeros_weights_and_refuses_mixed_meta_models(two):
+    assert all(r["sync"]["worst"] == 0.0 for r in two)
+    assert two[0]["sync"]["mixed"] == two[1]["sync"]["mixed"]
+    assert two[0]["sync"]["mixed"].startswith(
+        "ValueError: `sync_module_states=True` broadcasts rank 0's weights, but ranks [1] hold meta tensors"
+    )
