@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -80,6 +81,9 @@ def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[
     torch.set_num_threads(1)
     try:
         result = fn(*args)
+        # The queue pickles in a feeder thread, where a failure is only printed and the parent would wait for the
+        # timeout: pickle here, so an unpicklable result is this rank's failure, reported at once.
+        pickle.dumps(result)
         out.put((rank, True, result))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))

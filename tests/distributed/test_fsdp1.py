@@ -349,8 +349,13 @@ def load_into_fsdp2_tp(root: Path) -> dict[str, Any]:
             got, truth_script["model"], atol=2e-5, rtol=1e-4, msg=lambda m, s=sharding: f"{s}: {m}"
         )
         units = [n for n, m in model.module.named_modules() if n and isinstance(m, FSDPModule)]
-        out[f"script-{sharding}"] = (tuple(strategy.device_mesh.shape), units, strategy._core.options)
-    for sharding in ("FULL_SHARD", "HYBRID_SHARD"):
+        options = strategy._core.options
+        out[f"script-{sharding}"] = (
+            tuple(strategy.device_mesh.shape),
+            units,
+            (options.reshard_after_forward, options.save_distributed_checkpoint),
+        )
+    for sharding in SHARDING:
         strategy = TrainerStrategy(**SCRIPT_ARGS, sharding_strategy=sharding)
         trainer = quiet_trainer(accelerator="cpu", devices=2, num_nodes=2, max_epochs=3, strategy=strategy)
         module = FSDP1StyleModule()
@@ -399,12 +404,11 @@ def test_a_script_for_lightnings_fsdp_strategy_runs_with_only_the_class_changed_
         "_HYBRID_SHARD_ZERO2": (2, 2, 1),
     }
     for sharding in SHARDING:
-        _, units, options = results[f"script-{sharding}"]
+        _, units, (reshard_after_forward, distributed_checkpoint) = results[f"script-{sharding}"]
         assert units == ["layers.0", "layers.1"]
-        assert options.reshard_after_forward is (False if "ZERO2" in sharding or "GRAD_OP" in sharding else None)
-        assert options.save_distributed_checkpoint is True
-    assert results["trainer-script-FULL_SHARD"] == (3, (4, 1))
-    assert results["trainer-script-HYBRID_SHARD"] == (3, (2, 2, 1))
+        assert reshard_after_forward is (False if "ZERO2" in sharding or "GRAD_OP" in sharding else None)
+        assert distributed_checkpoint is True
+    assert {s: results[f"trainer-script-{s}"] for s in SHARDING} == {s: (3, meshes[s]) for s in SHARDING}
 
 
 def test_trainer_fsdp1_checkpoints_resume_on_other_layouts_like_the_reference(fsdp1):

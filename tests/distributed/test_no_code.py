@@ -185,6 +185,7 @@ def run_four(_: Any = None) -> dict[str, Any]:
     out["hybrid"] = case_llama(4, 2, sharding_strategy="HYBRID_SHARD")
     out["device_mesh"] = case_llama(4, 2, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))
     out["llama_hf"] = case_hf("llama", 4, 2)
+    out["qwen3_hsdp"] = case_hf("qwen3", 4, 2, sharding_strategy="HYBRID_SHARD")
     return out
 
 
@@ -216,6 +217,8 @@ def test_hybrid_shard_replicates_per_node_and_trains_like_one_process(four):
 def test_hugging_face_models_shard_by_their_no_split_modules(two, four):
     assert two[0]["qwen3"]["units"] == ["model.layers.0", "model.layers.1"]
     assert four[0]["llama_hf"]["units"] == ["model.layers.0", "model.layers.1"]
+    assert four[0]["qwen3_hsdp"]["units"] == ["model.layers.0", "model.layers.1"]
+    assert four[0]["qwen3_hsdp"]["mesh"] == (2, 2, 1)
 
 
 def test_tensor_parallelism_of_a_hugging_face_model_takes_its_own_plan(two):

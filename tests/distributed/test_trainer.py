@@ -518,8 +518,10 @@ def test_one_trainer_reruns_fit_validate_test_predict_fit_on_one_module_like_the
 
 
 def test_a_module_nothing_parallelizes_is_sharded_by_the_strategy_and_a_replaced_module_is_refused(two):
-    assert two[0]["errors"] == two[1]["errors"]
-    assert two[0]["errors"]["neither"] == "sharded: True" and two[0]["errors"]["neither_warning"] == "True"
+    without_warning = [{k: v for k, v in r["errors"].items() if k != "neither_warning"} for r in two]
+    assert without_warning[0] == without_warning[1]
+    assert two[0]["errors"]["neither"] == "sharded: True"
+    assert [r["errors"]["neither_warning"] for r in two] == ["True", "False"]  # warned on rank 0 only
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true"])

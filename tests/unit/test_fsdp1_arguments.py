@@ -205,3 +205,12 @@ def test_sets_and_custom_policies_select_by_class_and_per_module_overrides_are_r
         select(model, wrap_policy_selector(overriding, "auto_wrap_policy"))
     with pytest.raises(TypeError, match=r"`auto_wrap_policy` must be a set of module classes .* but got int"):
         wrap_policy_selector(3, "auto_wrap_policy")
+
+
+def test_selectors_from_policies_pickle_so_a_strategy_can_be_copied():
+    import pickle
+
+    model = _meta_llama()
+    for policy in ({TransformerBlock}, ModuleWrapPolicy({TransformerBlock})):
+        selector = pickle.loads(pickle.dumps(wrap_policy_selector(policy, "auto_wrap_policy")))
+        assert select(model, selector) == ["layers.0", "layers.1", "layers.2"]

@@ -10,6 +10,7 @@ identically on every rank, before any process group exists. ``docs/migrating-fro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,20 +127,21 @@ def wrap_policy_selector(policy: Any, name: str) -> ModuleSelector:
     policy signature ``(module, recurse, nonwrapped_numel) -> bool`` (``transformer_auto_wrap_policy``,
     ``size_based_auto_wrap_policy`` through ``functools.partial``, your own), run over the model exactly as FSDP1
     runs it (children first, each told the parameters its wrapped children have not taken); or a
-    ``CustomPolicy``, whose per-module argument overrides have no FSDP2 counterpart here and are refused.
+    ``CustomPolicy``, whose per-module argument overrides have no FSDP2 counterpart here and are refused. The
+    selector pickles whenever the policy does (no closures), as strategies are sometimes copied between processes.
     """
     if isinstance(policy, (set, frozenset, list, tuple, type)):
         classes = normalize_selector(policy, "ModelParallelStrategy", name)
         if not isinstance(classes, frozenset):
             raise TypeError(f"`{name}` takes module classes, such as {{TransformerBlock}}, but got {policy!r}.")
-        return SelectedBy(lambda model: select(model, classes), f"{name}={describe_selector(classes)}")
+        return SelectedBy(functools.partial(select, selector=classes), f"{name}={describe_selector(classes)}")
     description = getattr(policy, "__name__", None) or getattr(getattr(policy, "func", None), "__name__", None)
     description = description or type(policy).__name__
     if callable(policy):
-        return SelectedBy(lambda model: _fsdp1_wrapped(model, policy), f"{name}={description}")
+        return SelectedBy(functools.partial(_fsdp1_wrapped, policy=policy), f"{name}={description}")
     run = getattr(policy, "_run_policy", None)  # CustomPolicy: FSDP1 reads it only through this method
     if callable(run):
-        return SelectedBy(lambda model: _custom_policy_modules(model, run, name), f"{name}={description}")
+        return SelectedBy(functools.partial(_custom_policy_modules, run=run, name=name), f"{name}={description}")
     raise TypeError(
         f"`{name}` must be a set of module classes (such as {{TransformerBlock}}), a `ModuleWrapPolicy`, a"
         f" `CustomPolicy` or a callable `(module, recurse, nonwrapped_numel) -> bool`, but got {type(policy).__name__}."
