@@ -55,13 +55,13 @@ def default_plan(
         )
     if fsdp_units is not None:
         described = describe_selector(fsdp_units)  # an FSDP1 policy says which argument it came from
-        units = resolve_units(model, fsdp_units) if fsdp_units else []
+        units = resolve_units(model, fsdp_units)
         how = described if isinstance(fsdp_units, SelectedBy) else f"fsdp_units={described}"
-    elif unsplit_modules(model):
-        units, how = unsplit_modules(model), "its `_no_split_modules`"
     else:
-        blocks = repeated_blocks(model)
-        units, how = (list(blocks.names), "its repeated blocks") if blocks is not None else ([], "")
+        units, how = unsplit_modules(model), "its `_no_split_modules`"
+        blocks = repeated_blocks(model) if not units else None
+        if blocks is not None:
+            units, how = list(blocks.names), "its repeated blocks"
     if activation_checkpointing in ("full", "selective") and not units:
         raise ValueError(
             f"`activation_checkpointing={activation_checkpointing!r}` recomputes the FSDP units, but {name} has no"

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from modelpar.plans._plan import ParallelPlan
+from modelpar.plans._units import outermost
 
 __all__ = ["LayerTerms", "compiled_layers", "compiled_terms"]
 
@@ -79,7 +80,7 @@ def compiled_layers(model: nn.Module, units: list[str], plan: ParallelPlan, *, m
     """
     if not plan.compile:
         return frozenset(), ""
-    outermost = [u for u in units if not any(u.startswith(other + ".") for other in units)]
+    top = outermost(units)
     layers, found = 0, set()
     for name, _ in model.named_modules():
         parent, _, index = name.rpartition(".")
@@ -88,7 +89,7 @@ def compiled_layers(model: nn.Module, units: list[str], plan: ParallelPlan, *, m
         if not isinstance(model.get_submodule(parent), nn.ModuleList):
             continue
         layers += 1
-        if any(name == unit or name.startswith(unit + ".") for unit in outermost):
+        if any(name == unit or name.startswith(unit + ".") for unit in top):
             found.add(int(index))
     if moe and plan.activation_checkpointing != "none":
         why = "a mixture of experts' routing breaks the graph inside the checkpointed region, so dynamo runs it eagerly"

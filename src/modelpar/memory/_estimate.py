@@ -166,7 +166,7 @@ def estimate_memory(
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
     if experts:  # as the plan applies them: under expert parallelism, experts are not tensor-parallel
         styles = drop_expert_styles(styles, moe_modules(model, plan.experts, layout.expert_parallel_size))
-    units = resolve_units(model, plan.fsdp_units) if plan.fsdp_units else []
+    units = resolve_units(model, plan.fsdp_units)
     notes: set[str] = set()
     plan = _checkpointing_as_mode(model, plan, units, notes)
 
@@ -347,8 +347,9 @@ def _checkpointing_as_mode(model: nn.Module, plan: ParallelPlan, units: list[str
     """
     if isinstance(plan.activation_checkpointing, str):
         return plan
-    mode, checkpointed = plan.checkpointed(model, outermost(units))
-    if checkpointed == outermost(units):
+    top = outermost(units)
+    mode, checkpointed = plan.checkpointed(model, top)
+    if checkpointed == top:
         return plan.replace(activation_checkpointing=mode)
     notes.add(
         "activation checkpointing: the plan checkpoints modules other than its outermost FSDP units; their"

@@ -232,7 +232,7 @@ class ParallelPlan:
         styles = resolve_styles(model, self.tensor_parallel, sequence_parallel=self.sequence_parallel)
         if expert_parallel_size > 1:
             styles = drop_expert_styles(styles, moes)
-        units = resolve_units(model, self.fsdp_units) if self.fsdp_units else []
+        units = resolve_units(model, self.fsdp_units)
         check_refused(styles, tensor_parallel_size)
         check_divisible(model, styles, tensor_parallel_size)
         check_layers_sharded(model, styles, units, tensor_parallel_size)
