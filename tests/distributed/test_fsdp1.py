@@ -411,6 +411,20 @@ def test_a_script_for_lightnings_fsdp_strategy_runs_with_only_the_class_changed_
     assert {s: results[f"trainer-script-{s}"] for s in SHARDING} == {s: (3, meshes[s]) for s in SHARDING}
 
 
+def test_the_fsdp1_script_run_the_switch_is_held_to_reproduces_the_single_process_reference(fsdp1):
+    """The truth the one-line switch is compared with (FSDP1's step 3) is itself one process's step 3."""
+    truth = torch.load(fsdp1["root"] / "truth-script.pt", weights_only=True)
+    ref = reference_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for x, y in global_batches(3):
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert abs(loss.item() - truth["loss"]) < 1e-5
+    torch.testing.assert_close(truth["model"], ref.state_dict(), atol=2e-5, rtol=1e-4)
+
+
 def test_trainer_fsdp1_checkpoints_resume_on_other_layouts_like_the_reference(fsdp1):
     assert fsdp1["loaded"][0]["trainer-sharded"] == 3 and fsdp1["loaded"][0]["trainer-full"] == 3
 
