@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointShapeError",
     "CorruptCheckpointError",
     "MeshSizeError",
+    "PipelineSplitError",
     "ShardingStrategyError",
     "UnsupportedReduceOpError",
     "UnsupportedStyleError",
@@ -104,3 +105,11 @@ class ShardingStrategyError(ValueError, KeyError):
 
     def __str__(self) -> str:
         return BaseException.__str__(self)  # a message, not a key: shown as is
+
+
+class PipelineSplitError(ValueError):
+    """A model that cannot be cut into the pipeline stages asked for: more stages than blocks, no run of repeated
+    blocks, a ``pipeline_split`` that misses or repeats modules, weights tied across stages.
+
+    ``ValueError``: torch's ``torch.distributed.pipelining`` raises it for a split it cannot make.
+    """

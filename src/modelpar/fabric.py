@@ -8,7 +8,7 @@ filled in by Fabric; standalone, :meth:`ModelParallelStrategy.setup_environment`
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +35,7 @@ from modelpar._strategy.lightning import register_in_every_namespace
 from modelpar._strategy.options import StrategyOptions
 from modelpar._strategy.precision import check_precision, without_autocast
 from modelpar._train.grad_sync import AccumulationMode
+from modelpar.pipeline import PipelineSchedule
 from modelpar.plans import ActivationCheckpointing, ModuleSelector
 
 if TYPE_CHECKING:
@@ -132,6 +133,15 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             the modules to checkpoint fully (classes, patterns or a predicate).
         sync_module_states: broadcast rank 0's parameters and buffers to every rank before sharding (FSDP1's
             option, for models whose ranks were not built alike). Meta-device models need none.
+        pipeline_parallel_size: cut the model into stages over this many ranks (pipeline parallelism, see
+            docs/pipeline.md); the mesh gains an outermost ``"pipeline_parallel"`` axis and every other axis is per
+            stage. Train with ``strategy.pipeline_step(model, inputs, targets, loss_fn)``.
+        pipeline_schedule: torch's schedule by name: ``"1F1B"`` (default), ``"GPipe"``, ``"Interleaved1F1B"``,
+            ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ``"DualPipeV"``.
+        pipeline_microbatches: micro-batches per step (at least the number of stages); ``None``: the number of stages.
+        pipeline_stages_per_rank: stages each rank holds under a looped schedule (default 2); V schedules hold 2.
+        pipeline_split: the modules of each stage by name (``[["tok_embeddings", "layers.0"], ["layers.1", "norm",
+            "output"]]``); left out, the model's repeated blocks are balanced by cost over the stages.
         auto_wrap_policy, activation_checkpointing_policy, sharding_strategy, state_dict_type, device_mesh,
         limit_all_gathers, use_orig_params: Lightning ``FSDPStrategy``'s arguments, so that changing the class
             is the whole migration; each becomes its FSDP2 option (a wrap policy: ``fsdp_units``;
@@ -173,6 +183,11 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         fsdp_units: ModuleSelector | None = None,
         activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None,
         sync_module_states: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: PipelineSchedule = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int | None = None,
+        pipeline_split: Sequence[Sequence[str]] | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +52,7 @@ from modelpar._train.grad_sync import AccumulationMode
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 from modelpar.checkpoint._remote import RemotePath, withdraw
 from modelpar.checkpoint._state import state_dict_options
+from modelpar.pipeline import PipelineSchedule
 from modelpar.plans import ActivationCheckpointing, ModuleSelector
 
 if TYPE_CHECKING:
@@ -98,6 +99,9 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             as for the Fabric strategy. Without ``parallelize_fn`` the strategy shards a LightningModule that
             ``configure_model`` left unsharded itself (FSDP2 over every rank); with unit options it always does, and
             ``tensor_parallel_size="auto"`` is then 1. A module ``configure_model`` sharded is used as it is.
+        pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split:
+            pipeline parallelism, as for the Fabric strategy: the LightningModule is cut into stages, and
+            ``training_step`` (manual optimization) calls ``self.trainer.strategy.pipeline_step(...)``.
     """
 
     _framework = "pytorch"
@@ -124,6 +128,11 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         fsdp_units: ModuleSelector | None = None,
         activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None,
         sync_module_states: bool = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: PipelineSchedule = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int | None = None,
+        pipeline_split: Sequence[Sequence[str]] | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | None = None,

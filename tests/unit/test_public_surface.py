@@ -22,6 +22,7 @@ SURFACE: dict[str, list[str]] = {
         "MemoryEstimate",
         "MeshLayout",
         "MeshSizeError",
+        "PipelineSplitError",
         "ShardingStrategyError",
         "ModelParallelStrategy",
         "SUPPORTED_PRECISIONS",
@@ -112,6 +113,18 @@ SURFACE: dict[str, list[str]] = {
     ],
     "modelpar.trainer": [
         "ModelParallelStrategy",
+    ],
+    # new with issue 28: pipeline parallelism
+    "modelpar.pipeline": [
+        "OFFERED_SCHEDULES",
+        "PIPELINE_SCHEDULES",
+        "PipelineSchedule",
+        "PipelineSplitError",
+        "ScheduleSpec",
+        "StageCut",
+        "StageLayers",
+        "balance",
+        "cut_model",
     ],
     # new with issue 26: the estimate's own public module (``estimate_memory`` stays in ``modelpar`` too)
     "modelpar.memory": ["Fit", "MemoryEstimate", "estimate_memory", "search_layouts"],

@@ -203,14 +203,47 @@ def _ranks_agree_on_rng(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _initialize(root: nn.Module, nodes: list[_Node]) -> set[int]:
+@contextmanager
+def _drawn_for_nothing(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Give the meta tensors of ``modules`` (absent modules: another pipeline stage's) throwaway storage on
+    ``device`` while a hook runs, so it draws what it would draw in one process; put the meta tensors back after."""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    for module in modules:
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            for name, t in list(table.items()):
+                if t is not None and t.is_meta:
+                    real = torch.empty_like(t, device=device)
+                    swapped.append((table, name, t))
+                    table[name] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+    try:
+        yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
+def _initialize(
+    root: nn.Module, nodes: list[_Node], absent: frozenset[int] = frozenset(), device: torch.device | None = None
+) -> set[int]:
     """Run the hooks children first, then the root hook; warn about the hooks skipped.
 
+    ``absent``: ids of modules that are not on this rank (other pipeline stages'). Their hooks still run, on
+    throwaway storage, so the random stream advances as in one process and this rank's modules get the values
+    one process gives them; a present module's hook that reaches absent ones gets them the same way.
     Returns the ids of the DTensors known to be written whole (they need no check for the marker).
     """
     skipped: list[str] = []
     scratch = Scratch()  # full-size buffers, reused from hook to hook
     written: set[int] = set()
+    throwaway = device if device is not None else torch.device("cpu")
+
+    def absent_below(node: _Node) -> list[nn.Module]:
+        if not absent:
+            return []
+        below = node.module.modules() if node.reaches_others else iter((node.module,))
+        return [m for m in below if id(m) in absent]
+
     for node in nodes:
         reset = getattr(node.module, "reset_parameters", None)
         if not node.subtree_meta or not callable(reset):
@@ -218,14 +251,16 @@ def _initialize(root: nn.Module, nodes: list[_Node]) -> set[int]:
         if node.reaches_others and node.real_example is not None:
             skipped.append(_skip_message(node, "reset_parameters"))
             continue
-        run_hook(node.module, reset, keep=node.real_names, scratch=scratch, written=written)
+        with _drawn_for_nothing(absent_below(node), throwaway):
+            run_hook(node.module, reset, keep=node.real_names, scratch=scratch, written=written)
     root_node = nodes[-1]
     init_weights = getattr(root, "init_weights", None)
     if callable(init_weights):
         if root_node.real_example is not None:
             skipped.append(_skip_message(root_node, "init_weights"))
         else:
-            run_hook(root, init_weights, keep=(), scratch=scratch, written=written)
+            with _drawn_for_nothing(absent_below(root_node), throwaway):
+                run_hook(root, init_weights, keep=(), scratch=scratch, written=written)
     if skipped:
         rank_zero_warn(
             "Meta-device initialization skipped hooks that would overwrite real tensors:\n"
@@ -300,12 +335,22 @@ def _skip_message(node: _Node, hook: str) -> str:
     )
 
 
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    return module.get_submodule(name.rpartition(".")[0])
+
+
 def _meta_tensor_names(module: nn.Module) -> list[str]:
     names = [n for n, p in module.named_parameters() if p.is_meta]
     return names + [n for n, b in module.named_buffers() if b.is_meta]
 
 
-def materialize_module(module: nn.Module, device: torch.device) -> None:
+def materialize_module(
+    module: nn.Module,
+    device: torch.device,
+    *,
+    allocate_through: list[nn.Module] | None = None,
+    absent: frozenset[int] = frozenset(),
+) -> None:
     """Allocate every meta tensor of ``module`` on ``device`` and initialize it; keep real tensors as they are.
 
     Calls ``reset_parameters()`` children first, then ``module.init_weights()`` if the root defines it (see
@@ -313,17 +358,23 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
     several ranks, all ranks must call it (the ranks' random states are compared first, and what was left
     unwritten is gathered last). Every tensor that no initializer wrote, wholly or partly, is named with its
     module in a rank-0 warning; it holds a NaN marker (see :mod:`modelpar._init.unwritten`), not stray memory.
-    ``device`` may be any device (the CPU under ``cpu_offload``, the accelerator otherwise). Raises
+    ``device`` may be any device (the CPU under ``cpu_offload``, the accelerator otherwise).
+
+    Under pipeline parallelism ``module`` is the whole model, still on the meta device in the parts other ranks
+    hold: ``absent`` are the ids of those modules (left on the meta device; their hooks run on throwaway storage,
+    one at a time, so this rank's stages get the values one process gives them), and ``allocate_through`` the
+    roots of this rank's stages, through which the tensors are allocated (each is its stage's root FSDP unit). Raises
     ``RuntimeError`` naming any tensor still on the meta device afterwards (a ``reset_parameters`` that
     re-created a tensor on meta, for example), since training on it would fail far from the cause.
     """
     if not has_meta_tensors(module):
         return
     nodes = _plan(module)
-    _allocate(module, device)
+    for root in allocate_through or [module]:
+        _allocate(root, device)
     with _ranks_agree_on_rng(device):
-        written = _initialize(module, nodes)
-    still_meta = _meta_tensor_names(module)
+        written = _initialize(module, nodes, absent, device)
+    still_meta = [name for name in _meta_tensor_names(module) if id(_owner(module, name)) not in absent]
     if still_meta:
         raise RuntimeError(
             f"After materialization, {len(still_meta)} tensor(s) are still on the meta device:"

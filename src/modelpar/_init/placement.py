@@ -119,30 +119,42 @@ def _move(module: nn.Module, targets: dict[int, torch.device]) -> None:
     module._apply(move)
 
 
-def materialize(module: nn.Module, root_device: torch.device, *, offload: bool) -> None:
+def materialize(
+    module: nn.Module,
+    root_device: torch.device,
+    *,
+    offload: bool,
+    stage_roots: list[nn.Module] | None = None,
+    absent: frozenset[int] = frozenset(),
+) -> None:
     """Materialize ``module``'s meta tensors (see ``modelpar._init.materialize``), each where it belongs.
 
     With ``offload``, the shards ``fully_shard`` manages stay in CPU memory and the other meta tensors end on
-    ``root_device``; tensors that were real before keep their device and values.
+    ``root_device``; tensors that were real before keep their device and values. Under pipeline parallelism
+    ``stage_roots`` are this rank's stages (tensors are placed through them) and ``absent`` the ids of the modules
+    other ranks hold, which stay on the meta device (``materialize_module``).
     """
-    if not has_meta_tensors(module):
+    roots = stage_roots or [module]
+    if not any(has_meta_tensors(root) for root in roots):
         return
-    shards = _fsdp_parameters(module) if offload else set()
+    shards = set().union(*(_fsdp_parameters(root) for root in roots)) if offload else set()
     targets = {
         (id(owner), name): tensor_device(root_device, offloaded_shard=id(t) in shards)
-        for owner, name, t in _own_tensors(module)
+        for root in roots
+        for owner, name, t in _own_tensors(root)
         if t.is_meta
     }
     device = materialization_device(root_device, targets.values())
-    materialize_module(module, device)
-    _move(
-        module,
-        {
-            id(t): targets[(id(owner), name)]
-            for owner, name, t in _own_tensors(module)
-            if (id(owner), name) in targets and targets[(id(owner), name)] != device
-        },
-    )
+    materialize_module(module, device, allocate_through=stage_roots, absent=absent)
+    for root in roots:
+        _move(
+            root,
+            {
+                id(t): targets[(id(owner), name)]
+                for owner, name, t in _own_tensors(root)
+                if (id(owner), name) in targets and targets[(id(owner), name)] != device
+            },
+        )
 
 
 def move_to_device(module: nn.Module, root_device: torch.device) -> None:

@@ -20,6 +20,12 @@ rank with distinct tokens, replicas included; losses and token counts reduce ove
 ``"data_parallel_shard_context_parallel"`` axis that is the shard dimension of FSDP's 2-D mesh. ``data_parallel_size``
 keeps its meaning: the number of distinct sample streams (what the sampler splits by).
 
+Pipeline parallelism (``pipeline_parallel_size > 1``) is the outermost axis, ``"pipeline_parallel"`` (torchtitan's
+place: its point-to-point sends are the least frequent and smallest traffic, so they may cross nodes). Each
+coordinate along it is a whole data x context x tensor mesh that holds one stage (or, with virtual stages, several)
+of the model; every axis below is sliced per stage, so ``device_mesh["data_parallel"]`` is this stage's data-parallel
+group and the sampler, FSDP and the plans are unchanged.
+
 Expert parallelism (``expert_parallel_size > 1``) borrows its ranks from the ranks that shard each replica, as in
 torchtitan: ``"data_parallel"`` (or ``"data_parallel_shard"`` under HSDP) splits into ``"expert_data_parallel"``
 (outer) x ``"expert_parallel"`` (inner, neighbouring ranks: the all-to-all stays on the fastest links), and the
@@ -30,6 +36,7 @@ sampler is unchanged. Each MoE layer's experts are split over ``"expert_parallel
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,12 +54,14 @@ __all__ = [
     "EXPERT_SHARD_AXIS",
     "HSDP_MESH_AXES",
     "MESH_AXES",
+    "PIPELINE_PARALLEL_AXIS",
     "TOKEN_AXIS",
     "MeshLayout",
     "SizeArg",
     "SHARD_CONTEXT_AXIS",
     "check_context_parallel_size",
     "check_expert_parallel_size",
+    "check_pipeline_parallel_size",
     "check_size_arg",
 ]
 
@@ -73,6 +82,9 @@ TOKEN_AXIS = "data_parallel_context_parallel"
 
 #: Under HSDP with context parallelism: the flattened shard dimension of FSDP's 2-D (replicate, shard) mesh.
 SHARD_CONTEXT_AXIS = "data_parallel_shard_context_parallel"
+
+#: The pipeline-parallel axis (``pipeline_parallel_size > 1``), outermost: its ranks hold different stages of the model.
+PIPELINE_PARALLEL_AXIS = "pipeline_parallel"
 
 #: The expert-parallel axis (``expert_parallel_size > 1``): the ranks over which each MoE layer's experts are split.
 EXPERT_PARALLEL_AXIS = "expert_parallel"
@@ -125,6 +137,16 @@ def check_expert_parallel_size(value: object) -> int:
     return value
 
 
+def check_pipeline_parallel_size(value: object) -> int:
+    """Reject anything but a positive int: how many stages to cut the model into is a model decision, not "auto"."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshSizeError(
+            f"`pipeline_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
+            " along the pipeline, each holding other stages of the model (1 turns pipeline parallelism off)."
+        )
+    return value
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -142,6 +164,7 @@ class MeshLayout:
     data_parallel_replicate_size: int = 1
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def resolve(
@@ -156,6 +179,7 @@ class MeshLayout:
         data_parallel_replicate_size: SizeArg = 1,
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> MeshLayout:
         """Turn user sizes (ints or ``"auto"``) into concrete ones, or raise a :class:`MeshSizeError` that says why.
 
@@ -175,12 +199,41 @@ class MeshLayout:
         resolved as above over ``world_size / cp`` ranks and ``devices_per_node / cp`` devices per node.
         ``expert_parallel_size`` borrows its ranks from the ranks that shard each replica (it does not change the
         world size) and must divide ``data_parallel_size / data_parallel_replicate_size``.
+        ``pipeline_parallel_size`` (an int) takes its ranks before everything else: the rest is resolved as above
+        over ``world_size / pp`` ranks, per stage (with ``"auto"`` for both sizes, over ``num_nodes / pp`` nodes when
+        the stages divide the nodes, else within the devices a stage gets).
         The error is a ``ValueError`` and, like Lightning's for sizes whose product is not the world size,
         a ``RuntimeError``.
         """
         check_size_arg("data_parallel_replicate_size", data_parallel_replicate_size)
         cp = check_context_parallel_size(context_parallel_size)
         ep = check_expert_parallel_size(expert_parallel_size)
+        pp = check_pipeline_parallel_size(pipeline_parallel_size)
+        if world_size % pp:
+            raise MeshSizeError(
+                f"`pipeline_parallel_size={pp}` must divide the world size ({world_size}), but it does not. Choose it"
+                f" among {_divisors(world_size)}."
+            )
+        if pp > 1:  # resolve one stage's mesh; the pipeline axis goes outside it
+            stage_nodes = num_nodes // pp if num_nodes % pp == 0 else 1
+            try:
+                stage = cls.resolve(
+                    data_parallel_size,
+                    tensor_parallel_size,
+                    world_size=world_size // pp,
+                    num_nodes=stage_nodes,
+                    devices_per_node=world_size // pp // stage_nodes,
+                    per_node_known=per_node_known,
+                    data_parallel_replicate_size=data_parallel_replicate_size,
+                    context_parallel_size=context_parallel_size,
+                    expert_parallel_size=expert_parallel_size,
+                )
+            except MeshSizeError as error:
+                raise MeshSizeError(
+                    f"With `pipeline_parallel_size={pp}`, each stage's mesh has {world_size // pp} of the {world_size}"
+                    f" ranks (the world size below is a stage's): {error}"
+                ) from None
+            return dataclasses.replace(stage, pipeline_parallel_size=pp)
         if ep > 1 and cp > 1:
             raise MeshSizeError(
                 f"`expert_parallel_size={ep}` with `context_parallel_size={cp}` is not supported yet: the expert axis"
@@ -319,10 +372,26 @@ class MeshLayout:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.context_parallel_size * self.tensor_parallel_size
+        return (
+            self.pipeline_parallel_size
+            * self.data_parallel_size
+            * self.context_parallel_size
+            * self.tensor_parallel_size
+        )
 
     @property
     def axes(self) -> tuple[str, ...]:
+        stage = self._stage_axes
+        return (PIPELINE_PARALLEL_AXIS, *stage) if self.pipeline_parallel_size > 1 else stage
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        stage = self._stage_shape
+        return (self.pipeline_parallel_size, *stage) if self.pipeline_parallel_size > 1 else stage
+
+    @property
+    def _stage_axes(self) -> tuple[str, ...]:
+        """The axes of one pipeline stage's mesh (the whole mesh without pipeline parallelism)."""
         axes = HSDP_MESH_AXES if self.hsdp else MESH_AXES
         if self.expert_parallel_size > 1:  # the shard axis splits in two; it is flattened back in build()
             return (*axes[:-2], EXPERT_SHARD_AXIS, EXPERT_PARALLEL_AXIS, axes[-1])
@@ -331,7 +400,7 @@ class MeshLayout:
         return axes
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def _stage_shape(self) -> tuple[int, ...]:
         shard: tuple[int, ...] = (self.data_parallel_shard_size,)
         if self.expert_parallel_size > 1:
             shard = (self.expert_shard_size, self.expert_parallel_size)

@@ -8,7 +8,7 @@ each adapter's bases and relies only on what both bases provide (``parallel_devi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,32 @@ class CoreStrategyMixin:
     local_rank: int
     node_rank: int
     num_nodes: int
+
+    def pipeline_step(
+        self,
+        model: torch.nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        ignore_index: int = -100,
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Forward and backward of one global batch through the pipeline (``pipeline_parallel_size > 1``).
+
+        ``inputs`` and ``targets`` are this data-parallel rank's batch (every rank of a pipeline passes the same);
+        the batch is split into ``pipeline_microbatches`` micro-batches. ``loss_fn(output, target)`` returns a
+        micro-batch's mean loss over its targets not equal to ``ignore_index`` (``F.cross_entropy`` does). The
+        gradients are those of the global batch's exact token mean (times ``grad_scale``: ``1 / k`` to average
+        ``k`` calls of gradient accumulation), and that mean is returned on every rank. Step the optimizer as
+        usual; clip with ``clip_gradients`` (one norm over every stage).
+        """
+        # The Trainer's strategies hold a `precision_plugin`, Fabric's a `precision`: both have `forward_context`.
+        precision = getattr(self, "precision_plugin", None) or getattr(self, "precision")  # noqa: B009
+        with precision.forward_context():
+            return self._core.pipeline_step(
+                model, inputs, targets, loss_fn, ignore_index=ignore_index, grad_scale=grad_scale
+            )
 
     @property
     def device_mesh(self) -> DeviceMesh:

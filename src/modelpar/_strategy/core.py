@@ -37,11 +37,13 @@ from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied
 from modelpar._strategy.default_plan import default_plan
 from modelpar._strategy.options import StrategyOptions
+from modelpar._strategy.pipelined import setup_pipeline
 from modelpar._train.clip import clip_grad_norm, clip_grad_value
 from modelpar._train.fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
 from modelpar._train.grad_sync import GradientSyncControl
 from modelpar.checkpoint import Checkpointer
 from modelpar.legacy import reject_fsdp1_modules
+from modelpar.pipeline._run import pipeline_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -159,6 +161,7 @@ class ParallelCore:
             data_parallel_replicate_size=self.data_parallel_replicate_size,
             context_parallel_size=self.context_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
+            pipeline_parallel_size=self.options.pipeline_parallel_size,
         )
         self.fsdp_options = FSDPOptions.resolve(
             mixed_precision=self.mixed_precision,
@@ -275,6 +278,11 @@ class ParallelCore:
         if self.options.sync_module_states:
             broadcast_module_states(module)
         parallelize_fn = self.parallelize_fn or self._default_plan(module)
+        if self.layout is not None and self.layout.pipeline_parallel_size > 1:
+            offload = setup_pipeline(self, module, parallelize_fn, root_device)
+            setattr(module, _SET_UP_ON, mesh_key)
+            setattr(module, _OFFLOADS, offload)
+            return module
         if parallelize_fn is not None:
             fn_name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
             result = parallelize_fn(module, self.device_mesh)
@@ -403,11 +411,27 @@ class ParallelCore:
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[None]:
         return self.grad_sync.no_sync(module, enabled)
 
-    @staticmethod
     def clip_gradients_norm(
-        parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
     ) -> torch.Tensor:
-        return clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite)
+        """One norm over every mesh, and under pipeline parallelism over every stage (each rank holds other
+        parameters, so the pipeline ranks' sums add up: ``modelpar._train.clip``)."""
+        pp = self.layout.pipeline_parallel_size if self.layout is not None else 1
+        return clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite, pipeline_parallel_size=pp)
+
+    def pipeline_step(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        ignore_index: int = -100,
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Forward and backward of one global batch through the pipeline; the token-mean loss on every rank
+        (``modelpar.pipeline._run.Pipeline.step``)."""
+        return pipeline_of(model).step(inputs, targets, loss_fn, ignore_index=ignore_index, grad_scale=grad_scale)
 
     @staticmethod
     def clip_gradients_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:

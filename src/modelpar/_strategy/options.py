@@ -8,18 +8,26 @@ checks that every field is in both signatures with the same default).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from modelpar._mesh.layout import SizeArg, check_context_parallel_size, check_expert_parallel_size, check_size_arg
+from modelpar._mesh.layout import (
+    SizeArg,
+    check_context_parallel_size,
+    check_expert_parallel_size,
+    check_pipeline_parallel_size,
+    check_size_arg,
+)
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT
 from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
 from modelpar.legacy import FSDP1_ARGUMENTS, translate_fsdp1_arguments
+from modelpar.pipeline import PipelineSchedule
+from modelpar.pipeline._schedules import check_schedule_settings, schedule_spec
 from modelpar.plans import ActivationCheckpointing
 from modelpar.plans._units import ModuleSelector, normalize_selector
 
@@ -51,6 +59,11 @@ class StrategyOptions:
     fsdp_units: ModuleSelector | None = None
     activation_checkpointing: ActivationCheckpointing | ModuleSelector | None = None
     sync_module_states: bool = False
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: PipelineSchedule = "1F1B"
+    pipeline_microbatches: int | None = None
+    pipeline_stages_per_rank: int | None = None
+    pipeline_split: Sequence[Sequence[str]] | None = None
     #: Derived, not an argument: the Lightning ``FSDPStrategy`` arguments given (folded into the fields above by
     #: :meth:`pick`). They say the user came from FSDP1, where the strategy shards the model itself.
     fsdp1_arguments: tuple[str, ...] = field(default=(), metadata={"derived": True})
@@ -81,6 +94,23 @@ class StrategyOptions:
             )
         if not isinstance(self.sync_module_states, bool):
             raise TypeError(f"`sync_module_states` must be a bool, but got {self.sync_module_states!r}.")
+        check_pipeline_parallel_size(self.pipeline_parallel_size)
+        check_schedule_settings(
+            schedule_spec(self.pipeline_schedule),
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            stages_per_rank_arg=self.pipeline_stages_per_rank,
+            microbatches=self.pipeline_microbatches,
+        )
+        if self.pipeline_split is not None:
+            split = self.pipeline_split
+            if isinstance(split, (str, bytes)) or not all(
+                not isinstance(s, (str, bytes)) and all(isinstance(n, str) for n in s) for s in split
+            ):
+                raise TypeError(
+                    "`pipeline_split` must be one list of module names per stage, e.g. [['tok_embeddings', 'layers.0'],"
+                    f" ['layers.1', 'norm', 'output']], but got {split!r}."
+                )
+            object.__setattr__(self, "pipeline_split", tuple(tuple(s) for s in split))
 
     @property
     def chooses_units(self) -> tuple[str, ...]:

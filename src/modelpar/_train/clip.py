@@ -73,6 +73,8 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = True,
+    *,
+    pipeline_parallel_size: int = 1,
 ) -> torch.Tensor:
     """Clip gradients so their global ``norm_type``-norm is at most ``max_norm``; return the norm before clipping.
 
@@ -80,6 +82,10 @@ def clip_grad_norm(
     (and plain tensors). The returned norm is a plain tensor with the same value on every rank, on the device
     and in the dtype of the first gradient. One all-reduce over all ranks per call, plus one per ``Partial``
     gradient that is also sharded (see the module's docstring).
+
+    Under pipeline parallelism (``pipeline_parallel_size > 1``) each rank holds its stages' parameters only: a
+    shard is held by ``world / pp`` ranks, not ``world``, so its weight is ``shards x pp / world``, and the one
+    all-reduce adds the stages up. Partial gradients are summed first there (their parts differ per stage).
     """
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
@@ -108,7 +114,7 @@ def clip_grad_norm(
             if cached is None:
                 cached = layouts[(id(mesh), id(placements))] = (mesh, placements, *_layout(mesh, placements))
             _, _, shards, summed = cached
-            if summed and shards == 1:  # Partial, else replicated: its sum rides in the one all-reduce
+            if summed and shards == 1 and pipeline_parallel_size == 1:  # its sum rides in the one all-reduce
                 pending.setdefault(summed, []).append(local)
                 first = local if first is None else first
                 continue
@@ -124,13 +130,14 @@ def clip_grad_norm(
     if first is None:
         return torch.tensor(0.0)
     world = dist.get_world_size() if dist.is_initialized() else 1
+    holders = world // pipeline_parallel_size  # the ranks that hold one stage's parameters
     comm_device = collective_device(first.device, group_device_types(first.device)) if world > 1 else first.device
     dtypes = {dtype for _, dtype, _ in groups} | {t.dtype for parts in pending.values() for t in parts}
     acc_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     parts = [torch.zeros((), dtype=acc_dtype, device=comm_device)]  # for a rank whose shards are all empty
     for (_, _, shards), tensors in groups.items():
         norm = torch.nn.utils.get_total_norm(tensors, norm_type).to(comm_device, acc_dtype)
-        parts.append(norm if inf else norm.pow(norm_type) * (shards / world))
+        parts.append(norm if inf else norm.pow(norm_type) * (shards / holders))
     stacked = torch.stack(parts)
     acc = stacked.max() if inf else stacked.sum()  # copies do not change a maximum
     # What the all-reduce sums: the local sum of p-th powers (the inf-norm: each rank's maximum in its own slot,

@@ -196,10 +196,14 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of shape (batch, seq, vocab) for ``tokens`` of shape (batch, seq).
 
+        As a pipeline stage: hidden states in (stages after the first), hidden states out (stages before the last).
+
         ``positions``: the tokens' indices in their sequence (``(seq,)`` or ``(batch, seq)``), for a sequence
         shard under context parallelism (``modelpar.context.shard_batch`` makes them); ``0 .. seq-1`` if left out.
         """
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (``modelpar.pipeline``) holds some of the modules, the others are None: without the
+        # embedding the input is the previous stage's hidden states, without the output layer they are returned.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         aux: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer(h, self.rope, positions)
@@ -207,4 +211,6 @@ class Llama(nn.Module):
             if isinstance(moe, MoE) and moe.load_balance_loss is not None and moe.z_loss is not None:
                 aux.append(self.config.aux_loss_coef * moe.load_balance_loss + self.config.z_loss_coef * moe.z_loss)
         self.aux_loss = torch.stack(aux).sum() if aux else None
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h

@@ -24,7 +24,9 @@ __all__ = [
     "HEAD_COUNT_ATTRIBUTES",
     "check_divisible",
     "check_layers_sharded",
+    "WHOLE_MODEL_NAMES",
     "matches",
+    "on_other_stage",
     "resolve_styles",
     "resolve_units",
 ]
@@ -44,6 +46,18 @@ def matches(pattern: str, name: str) -> bool:
 
 def _submodules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if name}  # the root has no name to match
+
+
+#: Set on a pipeline stage (``modelpar.pipeline``): the module names of the whole model. A plan applied to a stage
+#: skips a pattern that matches only modules of other stages (``tok_embeddings`` on every stage but the first);
+#: one that matches nothing in the whole model is still an error.
+WHOLE_MODEL_NAMES = "_modelpar_whole_model_names"
+
+
+def on_other_stage(model: nn.Module, pattern: str) -> bool:
+    """Whether ``model`` is a pipeline stage and ``pattern`` names modules of the whole model (on other stages)."""
+    names = getattr(model, WHOLE_MODEL_NAMES, None)
+    return names is not None and any(matches(pattern, name) for name in names)
 
 
 def _no_match(field: str, pattern: str, model: nn.Module, names: Iterable[str]) -> ValueError:
@@ -67,7 +81,7 @@ def resolve_styles(
     source: dict[str, str] = {}
     for pattern, style in tensor_parallel.items():
         found = [name for name in modules if matches(pattern, name)]
-        if not found:
+        if not found and not on_other_stage(model, pattern):
             raise _no_match("tensor_parallel", pattern, model, modules)
         for name in found:
             if name in styles:
@@ -122,7 +136,7 @@ def resolve_modules(model: nn.Module, field: str, patterns: Iterable[str], what:
     found: list[str] = []
     for pattern in patterns:
         hits = [name for name in names if matches(pattern, name)]
-        if not hits:
+        if not hits and not on_other_stage(model, pattern):
             raise ValueError(f"{_no_match(field, pattern, model, names)} Name the {what} modules (e.g. {example!r}).")
         found.extend(hits)
     return found
@@ -138,7 +152,7 @@ def resolve_units(model: nn.Module, fsdp_units: ModuleSelector, field: str = "fs
         chosen: set[str] = set()
         for pattern in fsdp_units:
             found = {name for name in modules if matches(pattern, name)}
-            if not found:
+            if not found and not on_other_stage(model, pattern):
                 raise _no_match(field, pattern, model, modules)
             chosen |= found
         return [name for name in modules if name in chosen]

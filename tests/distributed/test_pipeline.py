@@ -1,0 +1,268 @@
+"""Pipeline parallelism against one process: every offered schedule, with FSDP, TP and HSDP, checkpoints across pp.
+
+One spawn of 2 processes and one of 4. Each case builds the model on the meta device from a seed (each rank
+materializes only its stages) and a one-process reference eagerly from the same seed, then compares: the initial
+weights (bit for bit), the loss ``pipeline_step`` returns (the exact token mean, with padded targets so that the
+micro-batches and the data-parallel ranks count different numbers of tokens), the clipped gradient norm (one norm
+over every stage) and the weights after AdamW steps. Checkpoints written at one pipeline size load at others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning_fabric import Fabric
+from torch.distributed.tensor import DTensor
+
+from harness import PG_TIMEOUT, run_distributed
+from modelpar import ModelParallelStrategy
+from modelpar.models import Llama, LlamaConfig
+from modelpar.plans import LLAMA_PLAN
+from parity import error_text
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=64, max_seq_len=16)
+BATCH, SEQ, STEPS, LR = 8, 12, 3, 1e-2
+#: Losses and norms agree to float32 rounding; weights after AdamW (which divides by the root of small second
+#: moments) to a little more.
+LOSS_TOL, PARAM_TOL = 1e-5, 5e-4
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
+
+
+def _batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches, with targets padded unevenly (some micro-batches and ranks count fewer tokens)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, CFG.vocab_size, (BATCH * dp, SEQ), generator=g)
+        y = torch.randint(0, CFG.vocab_size, (BATCH * dp, SEQ), generator=g)
+        y[0, :7] = -100
+        y[3, 2:] = -100
+        out.append((x, y))
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _fabric(world: int, **kwargs: Any) -> Fabric:
+    strategy = ModelParallelStrategy(LLAMA_PLAN, timeout=PG_TIMEOUT, **kwargs)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _pipelined(fabric: Fabric) -> Any:
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = Llama(CFG)
+    return fabric.setup_module(model)
+
+
+def _worst(model: Any, ref: torch.nn.Module) -> float:
+    """Largest difference between this rank's parameters and the reference's (names are the unsplit model's)."""
+    ref_params = dict(ref.named_parameters())
+    return max((_full(p) - ref_params[n].detach()).abs().max().item() for n, p in model.module.named_parameters())
+
+
+def _train(world: int, *, accumulate: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """Steps of the pipelined model and the reference on the same global batches; the worst differences."""
+    fabric = _fabric(world, **kwargs)
+    mesh = fabric.strategy.device_mesh
+    dp_mesh = mesh["data_parallel"]
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    model = _pipelined(fabric)
+    torch.manual_seed(0)
+    ref = Llama(CFG)
+    init = _worst(model, ref)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    loss_err = norm_err = 0.0
+    for x, y in _batches(dp):
+        xs, ys = x[BATCH * dp_rank : BATCH * (dp_rank + 1)], y[BATCH * dp_rank : BATCH * (dp_rank + 1)]
+        if accumulate:  # two calls on the halves, each weighted 1/2: the gradients of the mean of the two means
+            half = BATCH // 2
+            losses = [
+                fabric.strategy.pipeline_step(model, xs[s : s + half], ys[s : s + half], _loss, grad_scale=0.5)
+                for s in (0, half)
+            ]
+            loss = sum(losses) / 2
+            ref_loss = (
+                sum(
+                    _loss(ref(x[BATCH * r + s : BATCH * r + s + half]), y[BATCH * r + s : BATCH * r + s + half])
+                    for s in (0, half)
+                    for r in range(dp)
+                )
+                / (2 * dp)
+                if dp > 1
+                else (_loss(ref(x[:half]), y[:half]) + _loss(ref(x[half:]), y[half:])) / 2
+            )
+        else:
+            loss = fabric.strategy.pipeline_step(model, xs, ys, _loss)
+            ref_loss = _loss(ref(x), y)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        loss_err = max(loss_err, abs(float(loss) - float(ref_loss)))
+        norm_err = max(norm_err, abs(float(norm) - float(ref_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {
+        "init": init,
+        "loss": loss_err,
+        "norm": norm_err,
+        "param": _worst(model, ref),
+        "mesh": tuple(mesh.shape),
+        "names": sorted(n for n, _ in model.module.named_parameters()),
+    }
+
+
+def _checkpoint_across_sizes(world: int, folder: str, save: dict[str, Any], loads: list[dict[str, Any]]) -> list[float]:
+    """Train a step at one layout, save a distributed checkpoint, load it at each other layout: the difference."""
+    fabric = _fabric(world, **save)
+    model = _pipelined(fabric)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = _batches(1)[0]
+    fabric.strategy.pipeline_step(model, x, y, _loss)
+    optimizer.step()
+    fabric.save(folder, {"model": model})
+    saved = {n: _full(p).clone() for n, p in model.module.named_parameters()}
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, saved)
+    every = {n: t for part in gathered for n, t in part.items()}
+    worst = []
+    for layout in loads:
+        other = _fabric(world, **layout)
+        if layout.get("pipeline_parallel_size", 1) > 1:
+            loaded = _pipelined(other)
+        else:
+            torch.manual_seed(1)
+            with other.init_module(empty_init=True):
+                loaded = other.setup_module(Llama(CFG))
+        other.load(folder, {"model": loaded})
+        module = getattr(loaded, "module", loaded)
+        worst.append(max((_full(p) - every[n]).abs().max().item() for n, p in module.named_parameters()))
+    return worst
+
+
+def _refusals() -> dict[str, str]:
+    fabric = _fabric(2, pipeline_parallel_size=2, data_parallel_size=1, pipeline_microbatches=4)
+    model = _pipelined(fabric)
+    x = torch.zeros(6, SEQ, dtype=torch.long)
+    out = {"batch": error_text(lambda: fabric.strategy.pipeline_step(model, x, x, _loss))}
+    y = torch.full((8, SEQ), -100)
+    out["no tokens"] = error_text(lambda: fabric.strategy.pipeline_step(model, torch.zeros(8, SEQ).long(), y, _loss))
+    too_many = _fabric(
+        2,
+        pipeline_parallel_size=2,
+        data_parallel_size=1,
+        pipeline_schedule="Interleaved1F1B",
+        pipeline_stages_per_rank=3,
+        pipeline_microbatches=6,
+    )
+    out["stages"] = error_text(lambda: _pipelined(too_many))
+    return out
+
+
+def run_two(folder: str) -> dict[str, Any]:
+    two = {"pipeline_parallel_size": 2, "data_parallel_size": 1, "tensor_parallel_size": 1}
+    results: dict[str, Any] = {}
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"):
+        results[schedule] = _train(2, pipeline_schedule=schedule, pipeline_microbatches=4, **two)
+    results["accumulate"] = _train(2, accumulate=True, pipeline_microbatches=2, **two)
+    results["checkpoint"] = _checkpoint_across_sizes(
+        2, folder, two, [{"data_parallel_size": 2, "tensor_parallel_size": 1}, {**two, "pipeline_schedule": "GPipe"}]
+    )
+    results["refusals"] = _refusals()
+    return results
+
+
+def run_four(folder: str) -> dict[str, Any]:
+    pp2 = {"pipeline_parallel_size": 2, "pipeline_microbatches": 4}
+    results = {
+        "pp2_dp2": _train(4, data_parallel_size=2, tensor_parallel_size=1, **pp2),
+        "pp2_tp2": _train(4, data_parallel_size=1, tensor_parallel_size=2, **pp2),
+        "pp2_hsdp": _train(4, data_parallel_size=2, data_parallel_replicate_size=2, tensor_parallel_size=1, **pp2),
+        "pp4": _train(4, pipeline_parallel_size=4, data_parallel_size=1, tensor_parallel_size=1),
+    }
+    results["checkpoint"] = _checkpoint_across_sizes(
+        4,
+        folder,
+        {"data_parallel_size": 2, "tensor_parallel_size": 1, **pp2},
+        [
+            {"data_parallel_size": 4, "tensor_parallel_size": 1},
+            {"pipeline_parallel_size": 4, "data_parallel_size": 1, "tensor_parallel_size": 1},
+            {"data_parallel_size": 1, "tensor_parallel_size": 2, **pp2},
+        ],
+    )
+    return results
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(run_two, 2, str(tmp_path_factory.mktemp("pp2") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(run_four, 4, str(tmp_path_factory.mktemp("pp4") / "ckpt"))
+
+
+def _check(result: dict[str, Any]) -> None:
+    assert result["init"] == 0.0, result  # each rank's stages hold one process's initial values, bit for bit
+    assert result["loss"] < LOSS_TOL and result["norm"] < LOSS_TOL and result["param"] < PARAM_TOL, result
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"])
+def test_each_schedule_at_pp2_trains_as_one_process(two: list[dict[str, Any]], schedule: str) -> None:
+    for rank in two:
+        _check(rank[schedule])
+    assert two[0][schedule]["mesh"] == (2, 1, 1)
+
+
+def test_each_rank_holds_only_its_stages_under_the_unsplit_names(two: list[dict[str, Any]]) -> None:
+    first, last = two[0]["1F1B"]["names"], two[1]["1F1B"]["names"]
+    assert "tok_embeddings.weight" in first and "output.weight" in last
+    assert not set(first) & set(last)
+    looped = [r["Interleaved1F1B"]["names"] for r in two]  # stages 0, 2 on rank 0; 1, 3 on rank 1
+    assert "layers.0.attention.wq.weight" in looped[0] and "layers.2.attention.wq.weight" in looped[0]
+    assert "layers.1.attention.wq.weight" in looped[1] and "layers.3.attention.wq.weight" in looped[1]
+
+
+def test_accumulation_over_two_calls_scales_gradients_once(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        _check(rank["accumulate"])
+
+
+def test_checkpoint_from_pp2_loads_exactly_at_pp1_and_again_at_pp2(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        assert rank["checkpoint"] == [0.0, 0.0]
+
+
+def test_bad_pipeline_input_is_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
+    assert two[0]["refusals"] == two[1]["refusals"]
+    refusals = two[0]["refusals"]
+    assert (
+        "ValueError" in refusals["batch"] and "6 samples" in refusals["batch"] and "multiple of 4" in refusals["batch"]
+    )
+    assert "ValueError" in refusals["no tokens"] and "ignore_index=-100" in refusals["no tokens"]
+    assert "PipelineSplitError" in refusals["stages"] and "only 4 blocks" in refusals["stages"]
+
+
+@pytest.mark.parametrize("case", ["pp2_dp2", "pp2_tp2", "pp2_hsdp", "pp4"])
+def test_pipeline_composes_with_fsdp_tp_and_hsdp(four: list[dict[str, Any]], case: str) -> None:
+    for rank in four:
+        _check(rank[case])
+
+
+def test_checkpoint_from_pp2_dp2_loads_exactly_at_dp4_pp4_and_pp2_tp2(four: list[dict[str, Any]]) -> None:
+    for rank in four:
+        assert rank["checkpoint"] == [0.0, 0.0, 0.0]
