@@ -69,6 +69,16 @@ def test_one_line_switch_example_trains_resumes_and_repeats_its_losses(tmp_path)
     assert "FSDP2 units of Llama" in out and "the loaded run repeats the losses: True" in out, out[-3000:]
 
 
+def test_pipeline_example_trains_at_pp2_and_resumes_at_pp1_with_the_same_losses(tmp_path):
+    script = str(ROOT / "examples/fabric/train_pipeline.py")
+    short = ("--devices", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path))  # pp=2 x dp=1, then dp=2
+    first = run(script, *short, cwd=tmp_path)
+    second = run(script, *short, "--pipeline", "1", "--resume", cwd=tmp_path)
+    assert "cut into 2 pipeline stages (1F1B, 4 micro-batches)" in first and "step   4 | loss" in first, first[-3000:]
+    assert "at pp=1 (mesh {'data_parallel': 2" in second, second[-3000:]
+    assert "match the first run: True" in second, second[-3000:]
+
+
 def test_resume_example_saves_on_sigterm_under_torchrun_and_a_second_run_resumes_from_s3(tmp_path, s3_bucket):
     script = str(ROOT / "examples/fabric/train_resume.py")
     run_dir = f"{s3_bucket}/runs/demo"
