@@ -139,6 +139,19 @@ def _checkpoint_across_sizes(world: int, folder: str, save: dict[str, Any], load
     torch.distributed.all_gather_object(gathered, saved)
     every = {n: t for part in gathered for n, t in part.items()}
     worst = []
+    full_file = folder + ".pt"  # the full format: rank 0 writes every stage's tensors, under the unsplit names
+    fabric.strategy._core.save_distributed_checkpoint = False  # as tests/distributed/test_checkpoint.py switches
+    fabric.save(full_file, {"model": model, "optimizer": optimizer})
+    fabric.strategy._core.save_distributed_checkpoint = True
+    if fabric.global_rank == 0:
+        written = torch.load(full_file, weights_only=True)
+        worst.append(max((written["model"][n] - t).abs().max().item() for n, t in every.items()))
+        assert set(written["model"]) == set(every) and len(written["optimizer"]["state"]) == len(every)
+    raw = {n: t.clone() for n, t in Llama(CFG).state_dict().items()}
+    reference = Llama(CFG)
+    fabric.load_raw(folder, reference)  # a plain module from the distributed folder: every stage's tensors
+    worst.append(max((reference.state_dict()[n] - every[n]).abs().max().item() for n in every))
+    del raw
     for layout in loads:
         other = _fabric(world, **layout)
         if layout.get("pipeline_parallel_size", 1) > 1:
@@ -147,9 +160,11 @@ def _checkpoint_across_sizes(world: int, folder: str, save: dict[str, Any], load
             torch.manual_seed(1)
             with other.init_module(empty_init=True):
                 loaded = other.setup_module(Llama(CFG))
-        other.load(folder, {"model": loaded})
-        module = getattr(loaded, "module", loaded)
-        worst.append(max((_full(p) - every[n]).abs().max().item() for n, p in module.named_parameters()))
+        other_opt = torch.optim.AdamW(loaded.parameters(), lr=LR)
+        for source in (folder, full_file):  # the distributed folder, then the full file: both load exactly
+            other.load(source, {"model": loaded, "optimizer": other_opt} if source == full_file else {"model": loaded})
+            module = getattr(loaded, "module", loaded)
+            worst.append(max((_full(p) - every[n]).abs().max().item() for n, p in module.named_parameters()))
     return worst
 
 
@@ -172,6 +187,77 @@ def _refusals() -> dict[str, str]:
     return out
 
 
+def _trainer_run(folder: str) -> dict[str, Any]:
+    """The Trainer: a LightningModule with manual optimization whose ``training_step`` calls ``pipeline_step``."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                self.model = Llama(CFG)
+            self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self.losses: list[float] = []
+            self.norms: list[float] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch: Any, index: int) -> None:
+            x, y = batch
+            self.seen.append((x.clone(), y.clone()))
+            optimizer = self.optimizers()
+            loss = self.trainer.strategy.pipeline_step(self, x, y, _loss)
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+            self.losses.append(float(loss))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+    (x, y), _, _ = _batches(1)
+    data = DataLoader(TensorDataset(x, y), batch_size=BATCH // 2)  # 2 steps of 4 samples, 2 micro-batches each
+    module = Module()
+    strategy = TrainerStrategy(
+        pipeline_parallel_size=2, data_parallel_size=1, pipeline_microbatches=2, timeout=PG_TIMEOUT
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=folder,
+    )
+    trainer.fit(module, data)
+    torch.manual_seed(0)
+    ref = Llama(CFG)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    loss_err = 0.0
+    for (bx, by), loss in zip(module.seen, module.losses, strict=True):  # the batches the Trainer's sampler chose
+        ref_loss = _loss(ref(bx), by)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_err = max(loss_err, abs(loss - float(ref_loss)))
+    ref_params = dict(ref.named_parameters())
+    param = max(
+        (_full(p) - ref_params[n.removeprefix("model.")].detach()).abs().max().item()
+        for n, p in module.named_parameters()
+    )
+    return {"steps": len(module.losses), "loss": loss_err, "param": param}
+
+
 def run_two(folder: str) -> dict[str, Any]:
     two = {"pipeline_parallel_size": 2, "data_parallel_size": 1, "tensor_parallel_size": 1}
     results: dict[str, Any] = {}
@@ -182,6 +268,7 @@ def run_two(folder: str) -> dict[str, Any]:
         2, folder, two, [{"data_parallel_size": 2, "tensor_parallel_size": 1}, {**two, "pipeline_schedule": "GPipe"}]
     )
     results["refusals"] = _refusals()
+    results["trainer"] = _trainer_run(folder + "-trainer")
     return results
 
 
@@ -242,9 +329,9 @@ def test_accumulation_over_two_calls_scales_gradients_once(two: list[dict[str, A
         _check(rank["accumulate"])
 
 
-def test_checkpoint_from_pp2_loads_exactly_at_pp1_and_again_at_pp2(two: list[dict[str, Any]]) -> None:
+def test_checkpoints_from_pp2_in_both_formats_load_exactly_at_pp1_and_again_at_pp2(two: list[dict[str, Any]]) -> None:
     for rank in two:
-        assert rank["checkpoint"] == [0.0, 0.0]
+        assert set(rank["checkpoint"]) == {0.0} and len(rank["checkpoint"]) == (6 if rank is two[0] else 5)
 
 
 def test_bad_pipeline_input_is_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
@@ -257,12 +344,22 @@ def test_bad_pipeline_input_is_refused_on_every_rank(two: list[dict[str, Any]]) 
     assert "PipelineSplitError" in refusals["stages"] and "only 4 blocks" in refusals["stages"]
 
 
+def test_trainer_with_manual_optimization_trains_through_pipeline_step_as_one_process(
+    two: list[dict[str, Any]],
+) -> None:
+    for rank in two:
+        assert rank["trainer"]["steps"] == 2
+        assert rank["trainer"]["loss"] < LOSS_TOL and rank["trainer"]["param"] < PARAM_TOL, rank["trainer"]
+
+
 @pytest.mark.parametrize("case", ["pp2_dp2", "pp2_tp2", "pp2_hsdp", "pp4"])
 def test_pipeline_composes_with_fsdp_tp_and_hsdp(four: list[dict[str, Any]], case: str) -> None:
     for rank in four:
         _check(rank[case])
 
 
-def test_checkpoint_from_pp2_dp2_loads_exactly_at_dp4_pp4_and_pp2_tp2(four: list[dict[str, Any]]) -> None:
+def test_checkpoints_from_pp2_dp2_in_both_formats_load_exactly_at_dp4_pp4_and_pp2_tp2(
+    four: list[dict[str, Any]],
+) -> None:
     for rank in four:
-        assert rank["checkpoint"] == [0.0, 0.0, 0.0]
+        assert set(rank["checkpoint"]) == {0.0} and len(rank["checkpoint"]) == (8 if rank is four[0] else 7)

@@ -27,6 +27,7 @@ from modelpar._init.placement import materialize, offloads
 from modelpar._mesh.layout import PIPELINE_PARALLEL_AXIS
 from modelpar._mesh.submeshes import token_mesh
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied
+from modelpar.checkpoint._names import clean_name
 from modelpar.pipeline._build import local_stages
 from modelpar.pipeline._run import PIPELINE_ATTRIBUTE, Pipeline
 from modelpar.pipeline._schedules import check_schedule_settings, schedule_spec
@@ -82,6 +83,7 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
         strategy_name=core.strategy_name,
     )
     materialize(module, root_device, offload=offload, stage_roots=stages, absent=local.absent)
+    whole_keys = frozenset(clean_name(key) for key in module.state_dict(keep_vars=True))
     prune(module, local.kept)
     core._warn_if_unsharded(module)
     tokens = token_mesh(mesh)
@@ -99,6 +101,7 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
             token_group=tokens.get_group() if tokens.size() > 1 else None,
             token_ranks=tokens.size(),
             tensor_parallel_size=layout.tensor_parallel_size,
+            whole_state_keys=whole_keys,
         ),
     )
     rank_zero_info(

@@ -39,6 +39,7 @@ from modelpar.checkpoint._agree import gather, not_shared_error
 from modelpar.checkpoint._commit import describe_leftovers
 from modelpar.checkpoint._dcp_read import CachedReader, read_local, root_cause
 from modelpar.checkpoint._format import COMMIT_MARKER, DCP_METADATA, USER_METADATA, WRITING_MARKER, CheckpointFormat
+from modelpar.checkpoint._pipeline import full_pipelined_model_state, full_pipelined_optimizer_state, is_pipelined
 from modelpar.checkpoint._remote import Location, RemotePath, prefix_state, to_location, torch_load_remote
 from modelpar.checkpoint._state import (
     FilterFns,
@@ -131,8 +132,14 @@ def gather_state(split: SplitState, *, full: bool, filters: FilterFns | None) ->
     options = state_dict_options(full=full)
     tensors: dict[str, Any] = {}
     for key, module in split.modules.items():
+        if full and is_pipelined(module):  # rank 0 holds only its stages: gather every stage's (``_pipeline``)
+            tensors[key] = apply_filter(key, filters, full_pipelined_model_state(module))
+            continue
         tensors[key] = apply_filter(key, filters, get_model_state_dict(module, options=options))
     for key, (optimizer, owner) in split.optimizers.items():
+        if full and is_pipelined(owner):
+            tensors[key] = apply_filter(key, filters, full_pipelined_optimizer_state(owner, optimizer))
+            continue
         tensors[key] = apply_filter(key, filters, get_optimizer_state_dict(owner, optimizer, options=options))
     metadata = {k: apply_filter(k, filters, v) for k, v in metadata_of(split.other).items()}
     return tensors, metadata

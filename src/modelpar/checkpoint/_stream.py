@@ -25,6 +25,7 @@ from modelpar._errors import CheckpointKeyError, CheckpointShapeError
 from modelpar._init.blocks import local_block as _local_block
 from modelpar._init.blocks import shard_block
 from modelpar.checkpoint._names import clean_name, named_parameters_clean
+from modelpar.checkpoint._pipeline import expected_elsewhere
 from modelpar.checkpoint._rekey import optimizer_state_to_names
 
 __all__ = ["check_shapes", "load_full_model_state", "load_full_optimizer_state", "shard_block"]
@@ -89,8 +90,10 @@ def load_full_model_state(module: nn.Module, full_state: Mapping[str, Any], *, s
     """Copy ``full_state`` (e.g. a memory-mapped full state dict) into ``module``'s shards, tensor by tensor."""
     # Sharded DTensors / tensors sharing storage with the module, by stable name (no wrapper segments).
     targets = {clean_name(k): v for k, v in module.state_dict().items()}
-    missing = [k for k in targets if k not in full_state]
-    unexpected = [k for k in full_state if k not in targets]
+    # A pipeline stage checks the whole model's keys, as every other stage does: the same verdict on every rank.
+    whole = expected_elsewhere(module) or frozenset(targets)
+    missing = [k for k in whole if k not in full_state]
+    unexpected = [k for k in full_state if k not in whole]
     if strict and (missing or unexpected):
         raise CheckpointKeyError(
             f"The state in {where} does not match the model: {len(missing)} missing (e.g. {missing[:3]}),"
@@ -116,7 +119,8 @@ def load_full_optimizer_state(
     """
     full_osd = optimizer_state_to_names(full_osd, module, optimizer)
     params = named_parameters_clean(module)
-    unknown = [k for k in full_osd.get("state", {}) if k not in params]
+    elsewhere = expected_elsewhere(module)
+    unknown = [k for k in full_osd.get("state", {}) if k not in params and k not in elsewhere]
     if unknown and strict:
         raise CheckpointKeyError(
             f"The optimizer state in {where} has entries for parameters the model does not have: {unknown[:3]}."
@@ -128,5 +132,8 @@ def load_full_optimizer_state(
             continue
         param = params[name]
         sharded[name] = {key: _owned_shard(value, param) for key, value in entries.items()}
-    osd = {"state": sharded, "param_groups": full_osd["param_groups"]}
+    groups = full_osd["param_groups"]
+    if elsewhere:  # a pipeline stage's optimizer holds its own parameters only
+        groups = [dict(g, params=[n for n in g["params"] if n in params]) for g in groups]
+    osd = {"state": sharded, "param_groups": groups}
     set_optimizer_state_dict(module, optimizer, osd, options=StateDictOptions(strict=strict))

@@ -28,7 +28,7 @@ from torch import nn
 
 from modelpar.pipeline._schedules import ScheduleSpec
 
-__all__ = ["PIPELINE_ATTRIBUTE", "Pipeline", "pipeline_of"]
+__all__ = ["PIPELINE_ATTRIBUTE", "Pipeline", "pipeline_of", "pipelined"]
 
 #: The attribute of a set-up model that holds its :class:`Pipeline`.
 PIPELINE_ATTRIBUTE = "_modelpar_pipeline"
@@ -50,6 +50,9 @@ class Pipeline:
     token_group: Any | None
     token_ranks: int
     tensor_parallel_size: int
+    #: The state-dict keys of the whole model (every stage's), for full checkpoints: each rank loads its own and
+    #: knows the others' are not unexpected.
+    whole_state_keys: frozenset[str] = frozenset()
     _schedule: Any = field(default=None, repr=False)
     _stages: list[Any] = field(default_factory=list, repr=False)
     _call: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -159,11 +162,8 @@ def _check_batch(inputs: torch.Tensor, targets: torch.Tensor, microbatches: int)
 
 def pipeline_of(model: nn.Module) -> Pipeline:
     """The :class:`Pipeline` of a set-up model (or of a Fabric wrapper around one); ``ValueError`` otherwise."""
-    found = getattr(model, PIPELINE_ATTRIBUTE, None)
-    inner = getattr(model, "module", None)
-    if found is None and isinstance(inner, nn.Module):
-        found = getattr(inner, PIPELINE_ATTRIBUTE, None)
-    if not isinstance(found, Pipeline):
+    found = pipelined(model)
+    if found is None:
         raise ValueError(
             f"`pipeline_step` needs a model set up with `pipeline_parallel_size > 1`, but {type(model).__name__} was"
             " not. Set up the model with the strategy (`fabric.setup(model)`, or `strategy.setup_module(model)`"
@@ -171,3 +171,12 @@ def pipeline_of(model: nn.Module) -> Pipeline:
             " `backward` as usual."
         )
     return found
+
+
+def pipelined(model: nn.Module) -> Pipeline | None:
+    """The :class:`Pipeline` of a set-up model (or a Fabric wrapper around one), or None without pipeline."""
+    found = getattr(model, PIPELINE_ATTRIBUTE, None)
+    inner = getattr(model, "module", None)
+    if found is None and isinstance(inner, nn.Module):
+        found = getattr(inner, PIPELINE_ATTRIBUTE, None)
+    return found if isinstance(found, Pipeline) else None
