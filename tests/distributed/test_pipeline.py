@@ -272,7 +272,46 @@ def run_two(folder: str) -> dict[str, Any]:
     return results
 
 
-def run_four(folder: str) -> dict[str, Any]:
+def _hugging_face(world: int, pretrained: str, out: str) -> dict[str, float]:
+    """A Hugging Face Llama at pp=2 x dp=2 from ``load_pretrained``, trained, then saved with ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import tiny_config
+    from modelpar.hf import load_pretrained, save_pretrained
+
+    strategy = ModelParallelStrategy(pipeline_parallel_size=2, data_parallel_size=world // 2, timeout=PG_TIMEOUT)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4))
+    model = fabric.setup_module(model)
+    load_pretrained(model, pretrained)  # each rank reads only its stage's blocks
+    ref = AutoModelForCausalLM.from_pretrained(pretrained)
+    ref_params = dict(ref.named_parameters())
+    worst = {"load": max((_full(p) - ref_params[n]).abs().max().item() for n, p in model.module.named_parameters())}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    dp = strategy.device_mesh["data_parallel"]
+    worst["loss"] = 0.0
+    for x, y in _batches(dp.size())[:2]:
+        rows = slice(BATCH * dp.get_local_rank(), BATCH * (dp.get_local_rank() + 1))
+        loss = strategy.pipeline_step(model, x[rows], y[rows], _loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = _loss(ref(x).logits, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        worst["loss"] = max(worst["loss"], abs(float(loss) - float(ref_loss)))
+    worst["param"] = max((_full(p) - ref_params[n]).abs().max().item() for n, p in model.module.named_parameters())
+    save_pretrained(model, out)  # every stage's tensors, in the family's own format
+    if fabric.global_rank == 0:
+        saved = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+        worst["saved"] = max((saved[n] - p).abs().max().item() for n, p in ref_params.items())
+    return worst
+
+
+def run_four(folder: str, pretrained: str) -> dict[str, Any]:
     pp2 = {"pipeline_parallel_size": 2, "pipeline_microbatches": 4}
     results = {
         "pp2_dp2": _train(4, data_parallel_size=2, tensor_parallel_size=1, **pp2),
@@ -290,6 +329,7 @@ def run_four(folder: str) -> dict[str, Any]:
             {"data_parallel_size": 1, "tensor_parallel_size": 2, **pp2},
         ],
     )
+    results["hugging_face"] = _hugging_face(4, pretrained, folder + "-hf")
     return results
 
 
@@ -300,7 +340,14 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_distributed(run_four, 4, str(tmp_path_factory.mktemp("pp4") / "ckpt"))
+    from transformers import AutoModelForCausalLM
+
+    from hf_tiny import tiny_config
+
+    pretrained = tmp_path_factory.mktemp("pretrained")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4)).save_pretrained(pretrained)
+    return run_distributed(run_four, 4, str(tmp_path_factory.mktemp("pp4") / "ckpt"), str(pretrained))
 
 
 def _check(result: dict[str, Any]) -> None:
@@ -363,3 +410,10 @@ def test_checkpoints_from_pp2_dp2_in_both_formats_load_exactly_at_dp4_pp4_and_pp
 ) -> None:
     for rank in four:
         assert set(rank["checkpoint"]) == {0.0} and len(rank["checkpoint"]) == (8 if rank is four[0] else 7)
+
+
+def test_hugging_face_llama_loads_trains_and_saves_at_pp2_dp2(four: list[dict[str, Any]]) -> None:
+    for rank in four:
+        hf = rank["hugging_face"]
+        assert hf["load"] == 0.0 and hf["loss"] < LOSS_TOL and hf["param"] < PARAM_TOL, hf
+    assert four[0]["hugging_face"]["saved"] == four[0]["hugging_face"]["param"]  # the trained weights, as saved

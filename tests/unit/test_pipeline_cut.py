@@ -124,3 +124,22 @@ def test_a_stage_keeps_the_unsplit_names_and_runs_its_blocks_in_order() -> None:
     prune(model, cut.stages[1])
     assert model.tok_embeddings is None and list(model.layers.keys()) == ["2", "3"]
     assert len(model.layers[:8]) == 2 and [type(b).__name__ for b in model.layers] == ["TransformerBlock"] * 2
+
+
+def test_hugging_face_families_that_cannot_run_as_stages_are_refused_by_name() -> None:
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    from hf_tiny import TINY_SIZES, tiny_config
+    from modelpar.pipeline._hf import check_hugging_face_pipeline
+
+    with torch.device("meta"):
+        check_hugging_face_pipeline(AutoModelForCausalLM.from_config(tiny_config()))  # Llama: a plain decoder
+        # Gemma scales its embeddings inside `embed_tokens` (transformers 5.17-5.24), so later stages do not
+        check_hugging_face_pipeline(AutoModelForCausalLM.from_config(GemmaConfig(**{**TINY_SIZES, "head_dim": 8})))
+        unplanned = AutoModelForCausalLM.from_config(tiny_config())
+    unplanned.config.base_model_pp_plan = None
+    with pytest.raises(PipelineSplitError, match=r"LlamaForCausalLM declares no pipeline plan"):
+        check_hugging_face_pipeline(unplanned)
+    unplanned.config.base_model_pp_plan = {"embed_tokens": 0, "layers": 0, "norm": 0, "vision_tower": 0}
+    with pytest.raises(PipelineSplitError, match=r"passes \['embed_tokens', 'layers', 'norm', 'vision_tower'\]"):
+        check_hugging_face_pipeline(unplanned)

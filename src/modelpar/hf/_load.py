@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from modelpar._errors import CheckpointKeyError
+from modelpar.checkpoint._pipeline import expected_elsewhere
 from modelpar.checkpoint._stream import check_shapes, shard_block
 from modelpar.hf._experts import Stacked, group_experts, stacked_shape
 from modelpar.hf._files import file_keys
@@ -70,10 +71,18 @@ def load_pretrained(
     direct, stacked = group_experts(to_model, ours.tensors, strict=strict)
     from_file: dict[str, str | Stacked] = {model_name: file_name for file_name, model_name in direct.items()}
     from_file.update(stacked)
-    unexpected = [k for k, name in direct.items() if name not in ours.tensors and not any(p.search(k) for p in ignored)]
+    # A pipeline stage holds its own tensors; the other stages' are expected in the files too, and every stage
+    # checks the whole model's names, so all ranks reach the same verdict.
+    elsewhere = expected_elsewhere(module)
+    unexpected = [
+        k
+        for k, name in direct.items()
+        if name not in ours.tensors and name not in elsewhere and not any(p.search(k) for p in ignored)
+    ]
     # A tied tensor needs one of its names in the files; which one it is found under does not matter.
     sources = {first: next((n for n in names if n in from_file), None) for first, names in ours.aliases.items()}
     missing = [first for first, source in sources.items() if source is None]
+    missing += sorted(n for n in elsewhere if n not in ours.tensors and n not in from_file)
     if strict and (missing or unexpected):
         raise CheckpointKeyError(
             f"The weights in {where} do not match the model ({type(module).__name__}): {len(missing)} missing"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, cast
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from modelpar._mesh.collective import collective_ready
 from modelpar.checkpoint._agree import agree
+from modelpar.checkpoint._pipeline import is_pipelined
 from modelpar.checkpoint._progress import Progress
 from modelpar.checkpoint._remote import RemotePath, to_location, upload
 from modelpar.hf._experts import save_layout, split_for_save
@@ -58,10 +60,52 @@ def save_pretrained(
     """
     module = unwrap(model)
     target = to_location(path)
+    if is_pipelined(module):
+        _save_pipelined(module, target, max_shard_size, dtype, progress)
+        return
     upload_to = target if isinstance(target, RemotePath) else None
     with tempfile.TemporaryDirectory(prefix="modelpar-hf-") if upload_to else contextlib.nullcontext("") as tmp:
         dst = Path(tmp) / upload_to.name if upload_to else cast(Path, target)
         _save(module, dst, upload_to, max_shard_size, dtype, progress)
+
+
+def _save_pipelined(module: Any, target: Any, max_shard_size: int | str, dtype: Any, progress: bool) -> None:
+    """A pipelined model: rank 0 holds only its stages, so every rank writes its shards as a distributed checkpoint
+    beside ``target`` (``<target>.stages``), and rank 0 exports that folder (:func:`export_checkpoint`, the code
+    of ``modelpar convert --to hf``: tensor by tensor, about twice the largest tensor in memory); then the staging
+    folder is removed. ``target`` may be a URL: the checkpoint is then staged there, beside it, too."""
+    from modelpar.checkpoint import Checkpointer
+    from modelpar.hf._export import export_checkpoint
+
+    check_dtype_argument(dtype)
+    config = getattr(module, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        raise TypeError(
+            f"{type(module).__name__} has no Hugging Face `config` to save beside its weights. Pass a"
+            " `PreTrainedModel` (e.g. from `AutoModelForCausalLM.from_config`)."
+        )
+    staging = to_location(f"{target}.stages")
+    Checkpointer().save(staging, {"model": module}, full=False)
+    error: Exception | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            export_checkpoint(
+                staging,  # type: ignore[arg-type]  # a RemotePath where the target is a URL, as export itself passes
+                target,
+                config=config,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                overwrite=True,
+                progress=progress,
+            )
+        except Exception as err:  # raised on every rank below
+            error = err
+        finally:
+            if isinstance(staging, RemotePath):
+                staging.remove()
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+    agree(f"Exporting the pipelined model to {str(target)!r}", error)
 
 
 def _save(

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from modelpar.pipeline._hf import check_hugging_face_pipeline, hugging_face_stage
 from modelpar.pipeline._schedules import ScheduleSpec, stage_ids
 from modelpar.pipeline._split import StageCut, cut_model
 from modelpar.pipeline._stage import stage_view
 from modelpar.plans._checks import WHOLE_MODEL_NAMES
+from modelpar.plans._context import is_hugging_face
 
 __all__ = ["LocalStages", "local_stages"]
 
@@ -43,6 +45,9 @@ def local_stages(
     pipeline_split: Sequence[Sequence[str]] | None,
 ) -> LocalStages:
     """Cut ``model`` into ``pipeline_parallel_size x per_rank`` stages and build the views of this rank's."""
+    hugging_face = is_hugging_face(model)
+    if hugging_face:
+        check_hugging_face_pipeline(model)
     cut = cut_model(model, pipeline_parallel_size * per_rank, pipeline_split)
     indices = tuple(
         stage_ids(spec, rank=pipeline_rank, pipeline_parallel_size=pipeline_parallel_size, per_rank=per_rank)
@@ -52,6 +57,8 @@ def local_stages(
     for index in indices:
         view = stage_view(model, cut.stages[index])
         setattr(view, WHOLE_MODEL_NAMES, names)
+        if hugging_face:
+            hugging_face_stage(view, first=index == 0, last=index == len(cut.stages) - 1)
         views.append(view)
     kept = tuple(name for index in indices for name in cut.stages[index])
     present = {id(m) for view in views for m in view.modules()}
