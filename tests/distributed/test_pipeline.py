@@ -20,10 +20,24 @@ from torch.distributed.tensor import DTensor
 from harness import PG_TIMEOUT, run_distributed
 from modelpar import ModelParallelStrategy
 from modelpar.models import Llama, LlamaConfig
-from modelpar.plans import LLAMA_PLAN
+from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN
 from parity import error_text
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=64, max_seq_len=16)
+#: Every block a MoE, experts split over 2 ranks; the routers' auxiliary losses off: a pipeline's loss is the last
+#: stage's output loss (docs/pipeline.md).
+MOE_CFG = LlamaConfig(
+    vocab_size=64,
+    dim=32,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    ffn_hidden=64,
+    max_seq_len=16,
+    n_experts=4,
+    aux_loss_coef=0.0,
+    z_loss_coef=0.0,
+)
 BATCH, SEQ, STEPS, LR = 8, 12, 3, 1e-2
 #: Losses and norms agree to float32 rounding; weights after AdamW (which divides by the root of small second
 #: moments) to a little more.
@@ -51,17 +65,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def _fabric(world: int, **kwargs: Any) -> Fabric:
-    strategy = ModelParallelStrategy(LLAMA_PLAN, timeout=PG_TIMEOUT, **kwargs)
+def _fabric(world: int, parallelize_fn: Any = LLAMA_PLAN, **kwargs: Any) -> Fabric:
+    strategy = ModelParallelStrategy(parallelize_fn, timeout=PG_TIMEOUT, **kwargs)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     return fabric
 
 
-def _pipelined(fabric: Fabric) -> Any:
+def _pipelined(fabric: Fabric, cfg: LlamaConfig = CFG) -> Any:
     torch.manual_seed(0)
     with fabric.init_module(empty_init=True):
-        model = Llama(CFG)
+        model = Llama(cfg)
     return fabric.setup_module(model)
 
 
@@ -71,15 +85,20 @@ def _worst(model: Any, ref: torch.nn.Module) -> float:
     return max((_full(p) - ref_params[n].detach()).abs().max().item() for n, p in model.module.named_parameters())
 
 
-def _train(world: int, *, accumulate: bool = False, **kwargs: Any) -> dict[str, Any]:
-    """Steps of the pipelined model and the reference on the same global batches; the worst differences."""
+def _train(world: int, *, accumulate: bool = False, cfg: LlamaConfig = CFG, **kwargs: Any) -> dict[str, Any]:
+    """Steps of the pipelined model and the reference on the same global batches; the worst differences.
+
+    Under context parallelism each rank takes its sequence shard (``shard_batch``) and passes its positions to
+    every stage."""
+    from modelpar.context import shard_batch
+
     fabric = _fabric(world, **kwargs)
     mesh = fabric.strategy.device_mesh
     dp_mesh = mesh["data_parallel"]
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
-    model = _pipelined(fabric)
+    model = _pipelined(fabric, cfg)
     torch.manual_seed(0)
-    ref = Llama(CFG)
+    ref = Llama(cfg)
     init = _worst(model, ref)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
@@ -104,7 +123,10 @@ def _train(world: int, *, accumulate: bool = False, **kwargs: Any) -> dict[str, 
                 else (_loss(ref(x[:half]), y[:half]) + _loss(ref(x[half:]), y[half:])) / 2
             )
         else:
-            loss = fabric.strategy.pipeline_step(model, xs, ys, _loss)
+            batch = shard_batch({"input_ids": xs, "labels": ys}, mesh)  # cp = 1: positions only
+            loss = fabric.strategy.pipeline_step(
+                model, batch["input_ids"], batch["labels"], _loss, positions=batch["position_ids"]
+            )
             ref_loss = _loss(ref(x), y)
         norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
         ref_loss.backward()
@@ -318,6 +340,16 @@ def run_four(folder: str, pretrained: str) -> dict[str, Any]:
         "pp2_tp2": _train(4, data_parallel_size=1, tensor_parallel_size=2, **pp2),
         "pp2_hsdp": _train(4, data_parallel_size=2, data_parallel_replicate_size=2, tensor_parallel_size=1, **pp2),
         "pp4": _train(4, pipeline_parallel_size=4, data_parallel_size=1, tensor_parallel_size=1),
+        "pp2_cp2": _train(4, data_parallel_size=1, context_parallel_size=2, tensor_parallel_size=1, **pp2),
+        "pp2_ep2": _train(
+            4,
+            cfg=MOE_CFG,
+            parallelize_fn=LLAMA_MOE_PLAN,
+            data_parallel_size=2,
+            expert_parallel_size=2,
+            tensor_parallel_size=1,
+            **pp2,
+        ),
     }
     results["checkpoint"] = _checkpoint_across_sizes(
         4,
@@ -399,8 +431,10 @@ def test_trainer_with_manual_optimization_trains_through_pipeline_step_as_one_pr
         assert rank["trainer"]["loss"] < LOSS_TOL and rank["trainer"]["param"] < PARAM_TOL, rank["trainer"]
 
 
-@pytest.mark.parametrize("case", ["pp2_dp2", "pp2_tp2", "pp2_hsdp", "pp4"])
-def test_pipeline_composes_with_fsdp_tp_and_hsdp(four: list[dict[str, Any]], case: str) -> None:
+@pytest.mark.parametrize("case", ["pp2_dp2", "pp2_tp2", "pp2_hsdp", "pp4", "pp2_cp2", "pp2_ep2"])
+def test_pipeline_composes_with_fsdp_tp_hsdp_context_and_expert_parallelism(
+    four: list[dict[str, Any]], case: str
+) -> None:
     for rank in four:
         _check(rank[case])
 

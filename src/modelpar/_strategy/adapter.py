@@ -47,6 +47,7 @@ class CoreStrategyMixin:
         *,
         ignore_index: int = -100,
         grad_scale: float = 1.0,
+        **forward_kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward of one global batch through the pipeline (``pipeline_parallel_size > 1``).
 
@@ -55,13 +56,21 @@ class CoreStrategyMixin:
         micro-batch's mean loss over its targets not equal to ``ignore_index`` (``F.cross_entropy`` does). The
         gradients are those of the global batch's exact token mean (times ``grad_scale``: ``1 / k`` to average
         ``k`` calls of gradient accumulation), and that mean is returned on every rank. Step the optimizer as
-        usual; clip with ``clip_gradients`` (one norm over every stage).
+        usual; clip with ``clip_gradients`` (one norm over every stage). Other keyword arguments reach every
+        stage's forward, tensors split along their batch dimension (``positions=batch["position_ids"]`` under
+        context parallelism).
         """
         # The Trainer's strategies hold a `precision_plugin`, Fabric's a `precision`: both have `forward_context`.
         precision = getattr(self, "precision_plugin", None) or getattr(self, "precision")  # noqa: B009
         with precision.forward_context():
             return self._core.pipeline_step(
-                model, inputs, targets, loss_fn, ignore_index=ignore_index, grad_scale=grad_scale
+                model,
+                inputs,
+                targets,
+                loss_fn,
+                ignore_index=ignore_index,
+                grad_scale=grad_scale,
+                forward_kwargs=forward_kwargs,
             )
 
     @property

@@ -428,10 +428,13 @@ class ParallelCore:
         *,
         ignore_index: int = -100,
         grad_scale: float = 1.0,
+        forward_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one global batch through the pipeline; the token-mean loss on every rank
         (``modelpar.pipeline._run.Pipeline.step``)."""
-        return pipeline_of(model).step(inputs, targets, loss_fn, ignore_index=ignore_index, grad_scale=grad_scale)
+        return pipeline_of(model).step(
+            inputs, targets, loss_fn, ignore_index=ignore_index, grad_scale=grad_scale, forward_kwargs=forward_kwargs
+        )
 
     @staticmethod
     def clip_gradients_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:

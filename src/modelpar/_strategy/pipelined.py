@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_fabric.utilities import rank_zero_info
+from lightning_fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from modelpar._init.materialize import has_meta_tensors
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from modelpar._strategy.core import ParallelCore
 
 __all__ = ["setup_pipeline"]
+
+#: Config fields of a router's auxiliary loss: ``modelpar.models.LlamaConfig``'s, Hugging Face MoE families'.
+_AUX_LOSS_COEFFICIENTS = ("aux_loss_coef", "z_loss_coef", "router_aux_loss_coef", "router_z_loss_coef")
 
 
 def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, root_device: torch.device) -> bool:
@@ -104,6 +107,17 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
             whole_state_keys=whole_keys,
         ),
     )
+    config = getattr(module, "config", None)
+    experts = max((getattr(config, n, 0) or 0 for n in ("n_experts", "num_experts", "num_local_experts")), default=0)
+    aux = {name: getattr(config, name, 0) for name in _AUX_LOSS_COEFFICIENTS} if experts else {}
+    if any(isinstance(v, (int, float)) and v > 0 for v in aux.values()):
+        given = ", ".join(f"{k}={v}" for k, v in aux.items() if isinstance(v, (int, float)) and v > 0)
+        rank_zero_warn(
+            f"The model's routers add an auxiliary loss ({given}), but under pipeline parallelism the loss is what"
+            " `pipeline_step`'s `loss_fn` computes from the last stage's output, so the MoE blocks' auxiliary"
+            " losses are not trained. Set their coefficients to 0 (auxiliary-loss-free balancing), or use"
+            " `pipeline_parallel_size=1`."
+        )
     rank_zero_info(
         f"{core.strategy_name}: {type(module).__name__} cut into {len(local.cut.stages)} pipeline stages"
         f" ({spec.name}, {microbatches} micro-batches): {local.cut.describe()}."

@@ -96,9 +96,23 @@ class Pipeline:
         *,
         ignore_index: int = -100,
         grad_scale: float = 1.0,
+        forward_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """Run forward and backward over the micro-batches; return the global batch's token-mean loss everywhere."""
+        """Run forward and backward over the micro-batches; return the global batch's token-mean loss everywhere.
+
+        ``forward_kwargs`` reach every stage's forward, each tensor split into micro-batches along its first
+        (batch) dimension: per-token inputs every stage needs, like the ``positions`` of a sequence shard under
+        context parallelism (``modelpar.context.shard_batch``)."""
         _check_batch(inputs, targets, self.microbatches)
+        extra = dict(forward_kwargs or {})
+        for name, value in extra.items():
+            if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != inputs.shape[0]):
+                raise ValueError(
+                    f"`{name}` (shape {tuple(value.shape)}) is split into micro-batches along its first dimension,"
+                    f" which must be the batch's {inputs.shape[0]} samples. Expand it to (batch, ...) first."
+                )
+            if isinstance(value, torch.Tensor):
+                extra[name] = value.to(self.device)
         counts = (targets != ignore_index).reshape(self.microbatches, -1).sum(dim=1)
         total = counts.sum().to(torch.float64)
         if self.token_group is not None:
@@ -121,7 +135,7 @@ class Pipeline:
         target = targets.to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
         try:
-            self._schedule.step(*args, target=target, losses=losses if self.has_last else None)
+            self._schedule.step(*args, target=target, losses=losses if self.has_last else None, **extra)
         finally:
             self._call = {}
         local = torch.zeros((), dtype=torch.float64)
