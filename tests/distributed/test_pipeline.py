@@ -190,6 +190,25 @@ def _checkpoint_across_sizes(world: int, folder: str, save: dict[str, Any], load
     return worst
 
 
+def _transfers(schedule: str) -> dict[str, int]:
+    """Point-to-point sends and receives of one step (the second: the first also infers shapes), counted by torch's
+    profiler from the ops gloo runs (``CommDebugMode``'s module tracker fails on pipeline stages in torch 2.13)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fabric = _fabric(
+        2, pipeline_parallel_size=2, data_parallel_size=1, pipeline_schedule=schedule, pipeline_microbatches=4
+    )
+    model = _pipelined(fabric)
+    x, y = _batches(1)[0]
+    fabric.strategy.pipeline_step(model, x, y, _loss)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fabric.strategy.pipeline_step(model, x, y, _loss)
+    counted = Counter(event.name for event in prof.events())
+    return {"send": counted["c10d::send"], "recv": counted["c10d::recv_"], "all_reduce": counted["gloo:all_reduce"]}
+
+
 def _refusals() -> dict[str, str]:
     fabric = _fabric(2, pipeline_parallel_size=2, data_parallel_size=1, pipeline_microbatches=4)
     model = _pipelined(fabric)
@@ -289,6 +308,7 @@ def run_two(folder: str) -> dict[str, Any]:
     results["checkpoint"] = _checkpoint_across_sizes(
         2, folder, two, [{"data_parallel_size": 2, "tensor_parallel_size": 1}, {**two, "pipeline_schedule": "GPipe"}]
     )
+    results["transfers"] = {schedule: _transfers(schedule) for schedule in ("1F1B", "Interleaved1F1B")}
     results["refusals"] = _refusals()
     results["trainer"] = _trainer_run(folder + "-trainer")
     return results
@@ -401,6 +421,14 @@ def test_each_rank_holds_only_its_stages_under_the_unsplit_names(two: list[dict[
     looped = [r["Interleaved1F1B"]["names"] for r in two]  # stages 0, 2 on rank 0; 1, 3 on rank 1
     assert "layers.0.attention.wq.weight" in looped[0] and "layers.2.attention.wq.weight" in looped[0]
     assert "layers.1.attention.wq.weight" in looped[1] and "layers.3.attention.wq.weight" in looped[1]
+
+
+def test_each_micro_batch_crosses_each_stage_boundary_once_each_way(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        # 2 stages, 4 micro-batches: 4 activations one way, 4 gradients back; one all-reduce for the loss.
+        assert rank["transfers"]["1F1B"] == {"send": 4, "recv": 4, "all_reduce": 1}
+        # 4 stages on 2 ranks (0, 2 | 1, 3): 3 boundaries x 4 micro-batches x 2 directions = 24 transfers, 12 each way
+        assert rank["transfers"]["Interleaved1F1B"] == {"send": 12, "recv": 12, "all_reduce": 1}
 
 
 def test_accumulation_over_two_calls_scales_gradients_once(two: list[dict[str, Any]]) -> None:
