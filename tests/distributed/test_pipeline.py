@@ -137,9 +137,17 @@ def _train(world: int, *, accumulate: bool = False, cfg: LlamaConfig = CFG, **kw
         optimizer.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+    x, y = _batches(dp)[0]
+    rows = slice(BATCH * dp_rank, BATCH * (dp_rank + 1))
+    batch = shard_batch({"input_ids": x[rows], "labels": y[rows]}, mesh)
+    evaluated = fabric.strategy.pipeline_eval(
+        model, batch["input_ids"], batch["labels"], _loss, positions=batch["position_ids"]
+    )
+    with torch.no_grad():
+        eval_err = abs(float(evaluated) - float(_loss(ref(x), y)))
     return {
         "init": init,
-        "loss": loss_err,
+        "loss": max(loss_err, eval_err),
         "norm": norm_err,
         "param": _worst(model, ref),
         "mesh": tuple(mesh.shape),
@@ -214,6 +222,8 @@ def _refusals() -> dict[str, str]:
     model = _pipelined(fabric)
     x = torch.zeros(6, SEQ, dtype=torch.long)
     out = {"batch": error_text(lambda: fabric.strategy.pipeline_step(model, x, x, _loss))}
+    out["direct call"] = error_text(lambda: model(x))
+    out["no pipeline"] = error_text(lambda: fabric.strategy.pipeline_step(torch.nn.Linear(2, 2), x, x, _loss))
     y = torch.full((8, SEQ), -100)
     out["no tokens"] = error_text(lambda: fabric.strategy.pipeline_step(model, torch.zeros(8, SEQ).long(), y, _loss))
     too_many = _fabric(
@@ -442,13 +452,16 @@ def test_checkpoints_from_pp2_in_both_formats_load_exactly_at_pp1_and_again_at_p
 
 
 def test_bad_pipeline_input_is_refused_on_every_rank(two: list[dict[str, Any]]) -> None:
-    assert two[0]["refusals"] == two[1]["refusals"]
+    same = [{k: v for k, v in rank["refusals"].items() if k != "direct call"} for rank in two]  # it names the stage
+    assert same[0] == same[1]
     refusals = two[0]["refusals"]
     assert (
         "ValueError" in refusals["batch"] and "6 samples" in refusals["batch"] and "multiple of 4" in refusals["batch"]
     )
     assert "ValueError" in refusals["no tokens"] and "ignore_index=-100" in refusals["no tokens"]
     assert "PipelineSplitError" in refusals["stages"] and "only 4 blocks" in refusals["stages"]
+    assert "RuntimeError" in refusals["direct call"] and "strategy.pipeline_step(" in refusals["direct call"]
+    assert "ValueError" in refusals["no pipeline"] and "pipeline_parallel_size > 1" in refusals["no pipeline"]
 
 
 def test_trainer_with_manual_optimization_trains_through_pipeline_step_as_one_process(

@@ -60,9 +60,7 @@ class CoreStrategyMixin:
         stage's forward, tensors split along their batch dimension (``positions=batch["position_ids"]`` under
         context parallelism).
         """
-        # The Trainer's strategies hold a `precision_plugin`, Fabric's a `precision`: both have `forward_context`.
-        precision = getattr(self, "precision_plugin", None) or getattr(self, "precision")  # noqa: B009
-        with precision.forward_context():
+        with self._forward_context():
             return self._core.pipeline_step(
                 model,
                 inputs,
@@ -72,6 +70,29 @@ class CoreStrategyMixin:
                 grad_scale=grad_scale,
                 forward_kwargs=forward_kwargs,
             )
+
+    def pipeline_eval(
+        self,
+        model: torch.nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        ignore_index: int = -100,
+        **forward_kwargs: Any,
+    ) -> torch.Tensor:
+        """The loss of one global batch through the pipeline, forward only (validation): the same token mean as
+        :meth:`pipeline_step`, returned on every rank; no gradients."""
+        with self._forward_context():
+            return self._core.pipeline_step(
+                model, inputs, targets, loss_fn, ignore_index=ignore_index, forward_kwargs=forward_kwargs, train=False
+            )
+
+    def _forward_context(self) -> Any:
+        """The precision's forward context (autocast where it applies): the Trainer's strategies hold a
+        ``precision_plugin``, Fabric's a ``precision``; both have ``forward_context``."""
+        precision = getattr(self, "precision_plugin", None) or getattr(self, "precision")  # noqa: B009
+        return precision.forward_context()
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -292,7 +292,7 @@ class ParallelCore:
                     f" {type(result).__name__}. End it with `return model`."
                 )
             module = result  # type: ignore[assignment]
-        offloading = self._check_fsdp_applied(module)
+        offloading = self.check_fsdp_applied(module)
         if self.layout is not None:
             check_context_parallel_applied(module, self.layout)
             check_expert_parallel_applied(module, self.layout)
@@ -300,7 +300,7 @@ class ParallelCore:
             offloading, root_device=root_device, has_meta=has_meta_tensors(module), strategy_name=self.strategy_name
         )
         materialize(module, root_device, offload=offload)
-        self._warn_if_unsharded(module)
+        self.warn_if_unsharded(module)
         setattr(module, _SET_UP_ON, mesh_key)
         setattr(module, _OFFLOADS, offload)
         return module
@@ -346,7 +346,7 @@ class ParallelCore:
         """
         move_to_device(module, root_device)
 
-    def _check_fsdp_applied(self, module: nn.Module) -> list[bool]:
+    def check_fsdp_applied(self, module: nn.Module) -> list[bool]:
         """After ``parallelize_fn``: HSDP really applied, explicit FSDP options really used; pick autocast or policy.
 
         Runs identically on every rank (it looks only at the module and the configuration), so the errors are
@@ -398,7 +398,7 @@ class ParallelCore:
             )
         return [isinstance(o.offload_policy, CPUOffloadPolicy) for o in given]
 
-    def _warn_if_unsharded(self, module: nn.Module) -> None:
+    def warn_if_unsharded(self, module: nn.Module) -> None:
         if self.device_mesh.size() > 1 and not any(isinstance(p, DTensor) for p in module.parameters()):
             rank_zero_warn(
                 f"The model has no DTensor parameters after `parallelize_fn`, but the mesh has"
@@ -429,11 +429,18 @@ class ParallelCore:
         ignore_index: int = -100,
         grad_scale: float = 1.0,
         forward_kwargs: dict[str, Any] | None = None,
+        train: bool = True,
     ) -> torch.Tensor:
-        """Forward and backward of one global batch through the pipeline; the token-mean loss on every rank
-        (``modelpar.pipeline._run.Pipeline.step``)."""
+        """Forward and backward (``train=False``: forward only) of one global batch through the pipeline; the
+        token-mean loss on every rank (``modelpar.pipeline._run.Pipeline.step``)."""
         return pipeline_of(model).step(
-            inputs, targets, loss_fn, ignore_index=ignore_index, grad_scale=grad_scale, forward_kwargs=forward_kwargs
+            inputs,
+            targets,
+            loss_fn,
+            ignore_index=ignore_index,
+            grad_scale=grad_scale,
+            forward_kwargs=forward_kwargs,
+            train=train,
         )
 
     @staticmethod

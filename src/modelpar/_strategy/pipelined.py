@@ -76,7 +76,7 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
         stages.append(result)
     offloading: list[bool] = []
     for stage in stages:
-        offloading += core._check_fsdp_applied(stage)
+        offloading += core.check_fsdp_applied(stage)
         check_context_parallel_applied(stage, layout)
         check_expert_parallel_applied(stage, layout)
     offload = offloads(
@@ -88,7 +88,7 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
     materialize(module, root_device, offload=offload, stage_roots=stages, absent=local.absent)
     whole_keys = frozenset(clean_name(key) for key in module.state_dict(keep_vars=True))
     prune(module, local.kept)
-    core._warn_if_unsharded(module)
+    core.warn_if_unsharded(module)
     tokens = token_mesh(mesh)
     setattr(
         module,
@@ -118,8 +118,19 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
             " losses are not trained. Set their coefficients to 0 (auxiliary-loss-free balancing), or use"
             " `pipeline_parallel_size=1`."
         )
+    module.register_forward_pre_hook(_refuse_direct_call)
     rank_zero_info(
         f"{core.strategy_name}: {type(module).__name__} cut into {len(local.cut.stages)} pipeline stages"
         f" ({spec.name}, {microbatches} micro-batches): {local.cut.describe()}."
     )
     return offload
+
+
+def _refuse_direct_call(module: nn.Module, args: Any) -> None:
+    """A pipelined model holds some stages only: calling it would run them on the wrong input, or fail far away."""
+    indices = getattr(module, PIPELINE_ATTRIBUTE).stage_indices
+    raise RuntimeError(
+        f"{type(module).__name__} is cut into pipeline stages (this rank holds stage(s) {indices}), so it cannot be"
+        " called as a whole. Train with `strategy.pipeline_step(model, inputs, targets, loss_fn)` and evaluate with"
+        " `strategy.pipeline_eval(...)`."
+    )

@@ -97,8 +97,11 @@ class Pipeline:
         ignore_index: int = -100,
         grad_scale: float = 1.0,
         forward_kwargs: dict[str, Any] | None = None,
+        train: bool = True,
     ) -> torch.Tensor:
         """Run forward and backward over the micro-batches; return the global batch's token-mean loss everywhere.
+
+        ``train=False``: forward only (torch's ``schedule.eval``, under ``no_grad``), for a validation loss.
 
         ``forward_kwargs`` reach every stage's forward, each tensor split into micro-batches along its first
         (batch) dimension: per-token inputs every stage needs, like the ``positions`` of a sequence shard under
@@ -135,7 +138,11 @@ class Pipeline:
         target = targets.to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
         try:
-            self._schedule.step(*args, target=target, losses=losses if self.has_last else None, **extra)
+            if train:
+                self._schedule.step(*args, target=target, losses=losses if self.has_last else None, **extra)
+            else:
+                with torch.no_grad():
+                    self._schedule.eval(*args, target=target, losses=losses if self.has_last else None, **extra)
         finally:
             self._call = {}
         local = torch.zeros((), dtype=torch.float64)
