@@ -53,7 +53,9 @@ def main(out_dir: Path) -> None:
     strategy.load_checkpoint(ckpt, state)
     assert_matches(fresh, ref, "param")
     assert state["step"] == 3
+    pipeline_err = _pipeline_steps()
     result = {
+        "pipeline_err": pipeline_err,
         "rank": dist.get_rank(),
         "mesh": list(mesh.shape),
         "num_nodes": strategy.num_nodes,
@@ -64,6 +66,28 @@ def main(out_dir: Path) -> None:
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     strategy.teardown()
     dist.destroy_process_group()
+
+
+def _pipeline_steps() -> float:
+    """The same strategy class with the model cut in 2 pipeline stages (no parallelize_fn): ``pipeline_step``'s
+    losses against the reference's; the data-parallel ranks (the world / 2) each take their slice."""
+    strategy = ModelParallelStrategy(pipeline_parallel_size=2, pipeline_microbatches=2, timeout=PG_TIMEOUT)
+    strategy.setup_environment()
+    ref = reference_model()
+    model = strategy.setup_module(copy.deepcopy(ref))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    kw = strategy.distributed_sampler_kwargs
+    worst = 0.0
+    for x, y in global_batches(2):
+        per = x.shape[0] // kw["num_replicas"]
+        sl = slice(kw["rank"] * per, (kw["rank"] + 1) * per)
+        loss = strategy.pipeline_step(model, x[sl], y[sl], lm_loss)
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        optimizer.step(), ref_opt.step(), optimizer.zero_grad(), ref_opt.zero_grad()
+        worst = max(worst, abs(loss.item() - ref_loss.item()))
+    return worst
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ def test_standalone_under_torchrun_detects_environment_and_matches_reference(tmp
     assert all(r["mesh"] == [1, 2] and r["num_nodes"] == 1 for r in results)
     assert all(r["device"] == "cpu" and r["precision"] == "32-true" for r in results)
     assert results[0]["losses"] == results[1]["losses"] and results[0]["losses"][-1] < results[0]["losses"][0]
+    assert all(r["pipeline_err"] < 1e-5 for r in results)  # pp=2 standalone: pipeline_step as under Fabric
 
 
 def test_standalone_on_two_simulated_nodes_resolves_auto_to_2x2(tmp_path):
@@ -53,6 +54,7 @@ def test_standalone_on_two_simulated_nodes_resolves_auto_to_2x2(tmp_path):
     results = _results(tmp_path, 4)
     assert all(r["mesh"] == [2, 2] and r["num_nodes"] == 2 for r in results)
     assert len({tuple(r["losses"]) for r in results}) == 1
+    assert all(r["pipeline_err"] < 1e-5 for r in results)  # pp=2 across the two nodes, FSDP over 2 within each
 
 
 def case_launcher_without_per_node_counts(sizes: tuple[Any, Any]) -> dict[str, Any]:
