@@ -368,6 +368,13 @@ def run_four(folder: str, pretrained: str) -> dict[str, Any]:
     results = {
         "pp2_dp2": _train(4, data_parallel_size=2, tensor_parallel_size=1, **pp2),
         "pp2_tp2": _train(4, data_parallel_size=1, tensor_parallel_size=2, **pp2),
+        "pp2_tp2_sequence_loss_parallel": _train(
+            4,
+            parallelize_fn=LLAMA_PLAN.replace(sequence_parallel=True, loss_parallel=True),  # vocab-sharded logits
+            data_parallel_size=1,
+            tensor_parallel_size=2,
+            **pp2,
+        ),
         "pp2_hsdp": _train(4, data_parallel_size=2, data_parallel_replicate_size=2, tensor_parallel_size=1, **pp2),
         "pp4": _train(4, pipeline_parallel_size=4, data_parallel_size=1, tensor_parallel_size=1),
         "pp2_cp2": _train(4, data_parallel_size=1, context_parallel_size=2, tensor_parallel_size=1, **pp2),
@@ -472,7 +479,9 @@ def test_trainer_with_manual_optimization_trains_through_pipeline_step_as_one_pr
         assert rank["trainer"]["loss"] < LOSS_TOL and rank["trainer"]["param"] < PARAM_TOL, rank["trainer"]
 
 
-@pytest.mark.parametrize("case", ["pp2_dp2", "pp2_tp2", "pp2_hsdp", "pp4", "pp2_cp2", "pp2_ep2"])
+@pytest.mark.parametrize(
+    "case", ["pp2_dp2", "pp2_tp2", "pp2_tp2_sequence_loss_parallel", "pp2_hsdp", "pp4", "pp2_cp2", "pp2_ep2"]
+)
 def test_pipeline_composes_with_fsdp_tp_hsdp_context_and_expert_parallelism(
     four: list[dict[str, Any]], case: str
 ) -> None:

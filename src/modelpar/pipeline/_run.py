@@ -18,6 +18,7 @@ pipeline see the same batch).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from modelpar.pipeline._schedules import ScheduleSpec
 
@@ -86,7 +89,20 @@ class Pipeline:
         count = (target != call["ignore_index"]).sum()
         if call["some_empty"] and int(count) == 0:
             return output.sum() * 0.0
-        return call["loss_fn"](output, target) * (count * call["scale"])
+        loss = call["loss_fn"](output, target)
+        if isinstance(loss, DTensor):  # loss parallelism: a replicated scalar, the same on every tensor-parallel rank
+            loss = loss.to_local()
+        return loss * (count * call["scale"])
+
+    def _run(
+        self, args: tuple[Any, ...], target: Any, losses: list[torch.Tensor], extra: dict[str, Any], train: bool
+    ) -> None:
+        collect = losses if self.has_last else None
+        if train:
+            self._schedule.step(*args, target=target, losses=collect, **extra)
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, target=target, losses=collect, **extra)
 
     def step(
         self,
@@ -137,12 +153,12 @@ class Pipeline:
         args = (inputs.to(self.device),) if self.has_first else ()
         target = targets.to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
+        # Vocab-sharded logits (a plan with loss parallelism) need torch's loss_parallel() around the loss and its
+        # backward, which the schedule runs inside; it leaves plain tensors alone.
+        context = loss_parallel() if self.tensor_parallel_size > 1 else contextlib.nullcontext()
         try:
-            if train:
-                self._schedule.step(*args, target=target, losses=losses if self.has_last else None, **extra)
-            else:
-                with torch.no_grad():
-                    self._schedule.eval(*args, target=target, losses=losses if self.has_last else None, **extra)
+            with context:
+                self._run(args, target, losses, extra, train)
         finally:
             self._call = {}
         local = torch.zeros((), dtype=torch.float64)
