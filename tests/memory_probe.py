@@ -1,4 +1,5 @@
-"""Measured activation memory on CPU: bytes live after a forward and loss, and the bytes autograd saves.
+"""Measured activation memory on CPU: bytes live after a forward and loss, and the bytes autograd saves (in all, or the
+most held at once).
 
 ``live_after`` runs a step under the CPU profiler with memory profiling and sums every op's own allocations
 minus frees: what the step allocated and still holds when it returns (the activations kept for backward, the
@@ -7,11 +8,15 @@ hides the tensors it keeps from outer ``saved_tensors_hooks``. ``saved_for_backw
 packs, each storage once, parameters and buffers excluded: the same figure without checkpointing, and the one
 that works under gloo, whose collectives keep buffers alive past the step that a live-bytes count would see.
 With compiled layers the live bytes are what inductor's partitioner chose to save (``compile_backend``).
+``peak_kept_for_backward`` follows each saved tensor until autograd frees it (and the outputs of chosen modules until
+they are dropped): the most held at once during a step, which under a pipeline schedule is the micro-batches in
+flight, not every micro-batch of the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,6 +30,7 @@ __all__ = [
     "estimate_single_process",
     "live_after",
     "measure_single_process",
+    "peak_kept_for_backward",
     "saved_for_backward",
 ]
 
@@ -66,6 +72,95 @@ def saved_for_backward(model: nn.Module, step: Callable[[], Any]) -> tuple[int, 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = step()
     return sum(saved.values()), result
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter, FSDP2's gathered ones, a pipeline stage's receive buffer), or a view."""
+    base = t._base if t._base is not None else t
+    return bool(base.is_leaf and base.requires_grad)
+
+
+def _key(t: torch.Tensor) -> tuple[Any, int]:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    try:
+        return local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
+    except RuntimeError:  # a tensor subclass without a storage of its own (a collective's pending result)
+        return ("subclass", id(t)), local.numel() * local.element_size()
+
+
+class _Live:
+    """Storages held, each counted once however many holders it has, and the most bytes held at once."""
+
+    def __init__(self) -> None:
+        self.holders: dict[Any, list[int]] = {}
+        self.now = self.peak = 0
+
+    def hold(self, key: Any, size: int) -> None:
+        entry = self.holders.setdefault(key, [0, size])
+        if entry[0] == 0:
+            self.now += size
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+
+    def release(self, key: Any) -> None:
+        entry = self.holders[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.holders[key]
+
+
+class _Saved:
+    """What the pack hook hands autograd instead of the tensor: it lives exactly as long as autograd keeps it."""
+
+    __slots__ = ("key", "live", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: Any, size: int, live: _Live) -> None:
+        self.tensor, self.key, self.live = tensor, key, live
+        live.hold(key, size)
+
+    def __del__(self) -> None:
+        self.live.release(self.key)
+
+
+def peak_kept_for_backward(
+    model: nn.Module, step: Callable[[], Any], *, outputs: Iterable[nn.Module] = ()
+) -> tuple[int, Any]:
+    """(the most bytes held at once during ``step`` by autograd's saved tensors and by the outputs of ``outputs``, its
+    result).
+
+    Saved tensors count from their pack until autograd frees them (after their backward); parameters, buffers and
+    leaves that require grad do not count (as :func:`saved_for_backward`). An output of a module in ``outputs`` counts
+    while its Python object lives: a pipeline stage's last output, which ``PipelineStage`` keeps until the micro-batch's
+    backward, and the logits, which the schedule keeps to merge them. Each storage counts once.
+    """
+    owned = {_key(t)[0] for t in [*model.parameters(), *model.buffers()]}
+    live = _Live()
+
+    def pack(t: torch.Tensor) -> Any:
+        if _is_parameter(t):
+            return t
+        key, size = _key(t)
+        return t if key in owned else _Saved(t, key, size, live)
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor) and not _is_parameter(t):
+                key, size = _key(t)
+                live.hold(key, size)
+                weakref.finalize(t, live.release, key)
+
+    handles = [module.register_forward_hook(keep) for module in outputs]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            result = step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return live.peak, result
 
 
 #: Calibration models: modelpar's Llama and two Hugging Face families, sized so activations are not tiny, and

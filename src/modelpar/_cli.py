@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from modelpar._strategy.precision import SUPPORTED_PRECISIONS
     from modelpar.memory._estimate import OPTIMIZER_STATES
+    from modelpar.pipeline import OFFERED_SCHEDULES
 
     estimate = commands.add_parser(
         "estimate",
@@ -86,7 +87,9 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
         " selective, then full: recomputation costs compute every step), then the smallest tensor-parallel size,"
         " then the smallest context-parallel size (both add collectives inside every layer), then the fewest"
         " replicas, then the smallest peak; for a MoE with a plan that splits experts, every expert-parallel size"
-        " that divides the ranks sharding each replica and the experts (not with context parallelism). Not"
+        " that divides the ranks sharding each replica and the experts (not with context parallelism); every"
+        " pipeline-parallel size dividing --world-size that the model's blocks and --micro-batch allow (ranked after"
+        " the context-parallel size: its bubble idles part of every step). Not"
         " modelled: allocator slack, NCCL buffers, the CUDA context, MoE routing imbalance (see docs/memory.md);"
         " leave a few GiB of headroom.",
     )
@@ -101,6 +104,30 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     estimate.add_argument("--cp", type=int, default=1, help="context-parallel size (default: 1)")
     estimate.add_argument(
         "--ep", type=int, default=1, help="expert_parallel_size, for modelpar's MoE Llama (--llama with n_experts)"
+    )
+    estimate.add_argument(
+        "--pipeline-parallel",
+        "--pp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline_parallel_size: the worst pipeline rank's stages (default: 1); --micro-batch is then the batch"
+        " each data-parallel rank splits into micro-batches",
+    )
+    estimate.add_argument(
+        "--pipeline-schedule", choices=OFFERED_SCHEDULES, default="1F1B", help="pipeline_schedule (default: 1F1B)"
+    )
+    estimate.add_argument(
+        "--pipeline-microbatches",
+        type=int,
+        metavar="M",
+        help="pipeline_microbatches (default: the number of stages)",
+    )
+    estimate.add_argument(
+        "--pipeline-stages-per-rank",
+        type=int,
+        metavar="V",
+        help="pipeline_stages_per_rank, for the looped schedules (default: 2)",
     )
     estimate.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), default="adamw", help="default: adamw")
     estimate.add_argument("--precision", choices=SUPPORTED_PRECISIONS, default="32-true", help="default: 32-true")
@@ -140,6 +167,11 @@ def _estimate(args: argparse.Namespace) -> None:
         args.subparser.error("--search needs --world-size, --gpu-memory and --seq-len")
     if args.search and args.ep != 1:
         args.subparser.error("--ep applies without --search (--search tries every expert-parallel size that fits)")
+    if args.search and args.pipeline_parallel != 1:
+        args.subparser.error(
+            "--pipeline-parallel applies without --search (--search tries every pipeline size that fits; set its"
+            " schedule and micro-batches with --pipeline-schedule and --pipeline-microbatches)"
+        )
     if not args.search and (args.world_size is not None or args.gpu_memory is not None):
         args.subparser.error("--world-size and --gpu-memory apply to --search only")
     model, plan = llama_on_meta(args.llama) if args.llama is not None else hf_on_meta(args.hf_config)
@@ -157,6 +189,9 @@ def _estimate(args: argparse.Namespace) -> None:
         "cpu_offload": args.cpu_offload,
         "gradient_accumulation": args.accumulation,
         "accumulate_grad_batches": args.accumulate_grad_batches,
+        "pipeline_schedule": args.pipeline_schedule,
+        "pipeline_microbatches": args.pipeline_microbatches,
+        "pipeline_stages_per_rank": args.pipeline_stages_per_rank,
     }
     if args.search:
         memory = parse_memory(args.gpu_memory)
@@ -180,6 +215,7 @@ def _estimate(args: argparse.Namespace) -> None:
             data_parallel_replicate_size=args.replicate,
             context_parallel_size=args.cp,
             expert_parallel_size=args.ep,
+            pipeline_parallel_size=args.pipeline_parallel,
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch,
             **common,

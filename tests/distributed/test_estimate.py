@@ -12,6 +12,11 @@ their local tensors, gathered parameters excluded; ``tests/memory_probe.py``) pl
 against ``estimate_memory(seq_len=...)``'s stored activations. (Live bytes, which the single-process
 calibration counts and which see inside activation checkpointing, are not used here: gloo's collectives keep
 their buffers alive past the step. Checkpointing under tensor parallelism is therefore not measured.)
+
+And one pipeline: 2 stages x 2-way FSDP, 1F1B over 4 micro-batches, where each pipeline rank's parameters, gradients
+and AdamW states are compared with the estimate's figures for that rank (``MemoryEstimate.pipeline.ranks``), and the
+most activation bytes it holds at once in a step (``tests/memory_probe.peak_kept_for_backward``: saved tensors from
+pack to free, the first stage's output until its backward, the logits the schedule keeps) with the estimate's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from harness import run_distributed
-from memory_probe import saved_for_backward
+from memory_probe import peak_kept_for_backward, saved_for_backward
 from modelpar import estimate_memory
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, loss_parallel
@@ -151,12 +156,70 @@ def case_context_parallel(dp: int, tp: int, sequence_parallel: bool, loss_parall
     return {"measured": saved + local.numel() * local.element_size(), "estimated": estimate.stored_activations}
 
 
+#: The pipeline case: ACT_CFG's layers twice over (cut 2 + 2), 4 micro-batches of ACT_BATCH samples per data-parallel
+#: rank, so that 1F1B keeps 2 micro-batches in flight on the first stage and 1 on the last.
+PP_CFG = replace(ACT_CFG, n_layers=4)
+PP_MICROBATCHES = 4
+
+
+def case_pipeline() -> dict[str, Any]:
+    fabric = make_fabric(
+        2, 1, world_size=4, parallelize_fn=LLAMA_PLAN, pipeline_parallel_size=2, pipeline_microbatches=PP_MICROBATCHES
+    )
+    pipeline_rank = fabric.strategy.device_mesh["pipeline_parallel"].get_local_rank()
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model: nn.Module = Llama(PP_CFG)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = ACT_BATCH * PP_MICROBATCHES
+    tokens = torch.randint(0, PP_CFG.vocab_size, (batch, ACT_SEQ), generator=torch.Generator().manual_seed(3))
+
+    def step() -> torch.Tensor:
+        return fabric.strategy.pipeline_step(model, tokens, tokens, lm_loss)
+
+    step()  # the first step builds the schedule and its receive buffers, and runs torch's shape inference
+    optimizer.step()
+    optimizer.zero_grad()
+    stage = model.module
+    watched = [stage.output] if stage.output is not None else [list(stage.layers)[-1]]
+    kept, _ = peak_kept_for_backward(stage, step, outputs=watched)
+    optimizer.step()
+    params = list(stage.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    with torch.device("meta"):
+        meta = Llama(PP_CFG)
+    estimate = estimate_memory(
+        meta,
+        plan=LLAMA_PLAN,
+        data_parallel_size=2,
+        seq_len=ACT_SEQ,
+        micro_batch_size=batch,
+        pipeline_parallel_size=2,
+        pipeline_microbatches=PP_MICROBATCHES,
+    )
+    assert estimate.pipeline is not None  # estimated with pipeline_parallel_size=2
+    usage = estimate.pipeline.ranks[pipeline_rank]
+    return {
+        "pipeline_rank": pipeline_rank,
+        "measured": {"parameters": _sizes(params), "gradients": _sizes(grads), "optimizer_states": _sizes(states)},
+        "estimate": {k: getattr(usage, k) for k in ("parameters", "gradients", "optimizer_states")},
+        "grads_complete": len(grads) == len(params),
+        "kept": kept,
+        "estimated_kept": usage.most_activations,
+        "in_flight": usage.in_flight,
+        "worst": estimate.pipeline.worst,
+    }
+
+
 def grid() -> dict[tuple[Any, ...], dict[str, Any]]:
     results: dict[tuple[Any, ...], dict[str, Any]] = {layout: case_measure(*layout) for layout in LAYOUTS}
     for setting in ACT_SETTINGS:
         results[("activations", *setting)] = case_activations(*setting)
     for layout in CP_SETTINGS:
         results[("context_parallel", *layout)] = case_context_parallel(*layout)
+    results[("pipeline",)] = case_pipeline()
     return results
 
 
@@ -197,3 +260,20 @@ def test_estimated_activations_under_context_parallelism_are_within_10_percent(r
     for rank, by_case in enumerate(results):
         result = by_case[("context_parallel", *layout)]
         assert abs(result["estimated"] - result["measured"]) <= 0.10 * result["measured"], (rank, result)
+
+
+def test_pipeline_rank_state_equals_the_estimate_for_that_rank_exactly(results):
+    for rank, by_case in enumerate(results):
+        result = by_case[("pipeline",)]
+        assert result["grads_complete"]
+        for what, estimated in result["estimate"].items():
+            logical, allocated = result["measured"][what]
+            assert logical == allocated == estimated, (rank, result["pipeline_rank"], what, logical, estimated)
+
+
+def test_pipeline_activations_in_flight_are_within_10_percent_per_stage_under_1f1b(results):
+    stages = {by_case[("pipeline",)]["pipeline_rank"]: by_case[("pipeline",)] for by_case in results}
+    assert stages[0]["in_flight"] == (2,) and stages[1]["in_flight"] == (1,)  # min(M, P - s)
+    for rank, by_case in enumerate(results):
+        result = by_case[("pipeline",)]
+        assert abs(result["estimated_kept"] - result["kept"]) <= 0.10 * result["kept"], (rank, result)

@@ -38,6 +38,7 @@ MOE_CFG = LlamaConfig(
     aux_loss_coef=0.0,
     z_loss_coef=0.0,
 )
+DEEP_CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=64, max_seq_len=16)
 BATCH, SEQ, STEPS, LR = 8, 12, 3, 1e-2
 #: Losses and norms agree to float32 rounding; weights after AdamW (which divides by the root of small second
 #: moments) to a little more.
@@ -377,6 +378,18 @@ def run_four(folder: str, pretrained: str) -> dict[str, Any]:
         ),
         "pp2_hsdp": _train(4, data_parallel_size=2, data_parallel_replicate_size=2, tensor_parallel_size=1, **pp2),
         "pp4": _train(4, pipeline_parallel_size=4, data_parallel_size=1, tensor_parallel_size=1),
+        **{
+            f"pp4_{schedule}": _train(
+                4,
+                cfg=DEEP_CFG,  # 8 blocks: the looped schedules' 8 stages (2 per rank)
+                pipeline_parallel_size=4,
+                data_parallel_size=1,
+                tensor_parallel_size=1,
+                pipeline_schedule=schedule,
+                pipeline_microbatches=8,
+            )
+            for schedule in ("GPipe", "Interleaved1F1B", "LoopedBFS")
+        },
         "pp2_cp2": _train(4, data_parallel_size=1, context_parallel_size=2, tensor_parallel_size=1, **pp2),
         "pp2_ep2": _train(
             4,
@@ -480,7 +493,19 @@ def test_trainer_with_manual_optimization_trains_through_pipeline_step_as_one_pr
 
 
 @pytest.mark.parametrize(
-    "case", ["pp2_dp2", "pp2_tp2", "pp2_tp2_sequence_loss_parallel", "pp2_hsdp", "pp4", "pp2_cp2", "pp2_ep2"]
+    "case",
+    [
+        "pp2_dp2",
+        "pp2_tp2",
+        "pp2_tp2_sequence_loss_parallel",
+        "pp2_hsdp",
+        "pp4",
+        "pp4_GPipe",
+        "pp4_Interleaved1F1B",
+        "pp4_LoopedBFS",
+        "pp2_cp2",
+        "pp2_ep2",
+    ],
 )
 def test_pipeline_composes_with_fsdp_tp_hsdp_context_and_expert_parallelism(
     four: list[dict[str, Any]], case: str

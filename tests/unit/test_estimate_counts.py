@@ -308,3 +308,35 @@ def test_cli_takes_compile_and_accumulated_micro_batches(capsys):
     compiled = capsys.readouterr().out
     assert "assumes: eager" in eager and "beyond the activations backward frees" in eager
     assert "assumes: compiled blocks" in compiled and "kept over 3 micro-batches" in compiled
+
+
+PP_LLAMA = json.dumps({"vocab_size": 16, "dim": 8, "n_layers": 4, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 16})
+
+
+def test_cli_estimates_the_worst_pipeline_rank(capsys):
+    args = ["estimate", "--llama", PP_LLAMA, "--dp", "2", "--seq-len", "8", "--micro-batch", "8"]
+    assert main([*args, "--pipeline-parallel", "2", "--pipeline-microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 ranks, 1F1B, 4 micro-batches of 2; worst: pipeline rank 0 of 2" in out
+    assert "stage 0 (tok_embeddings, layers.0, layers.1): at most 2 in flight" in out
+    assert "stage 0 unsharded gradients" in out and out.rstrip().splitlines()[-1].startswith("peaks per pipeline rank")
+    assert main([*args, "--pp", "2", "--pipeline-schedule", "Interleaved1F1B", "--pipeline-microbatches", "4"]) == 0
+    assert "pipeline: 2 ranks x 2 stages per rank, Interleaved1F1B" in capsys.readouterr().out
+    assert main([*args, "--pp", "2", "--pipeline-microbatches", "3"]) == 2
+    assert "error: estimate_memory(micro_batch_size=8): under pipeline parallelism" in capsys.readouterr().err
+
+
+def test_cli_search_lists_pipeline_sizes_and_refuses_a_fixed_one(capsys):
+    args = ["estimate", "--llama", PP_LLAMA, "--search", "--world-size", "4", "--gpu-memory", "1GiB", "--seq-len", "8"]
+    assert main([*args, "--micro-batch", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "then smallest tp, cp, pp, replicas" in lines[0]
+    assert lines[1].split()[:6] == ["pp", "dp", "replicate", "cp", "tp", "ep"]
+    rows = [line.split() for line in lines[2:] if not line.startswith("...")]
+    assert {row[0] for row in rows} >= {"1", "2"}
+    assert main([*args, "--micro-batch", "1"]) == 0  # one sample: no pipeline layout, no pp column
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "dp"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--pipeline-parallel", "2"])
+    assert exit_info.value.code == 2
+    assert "--pipeline-parallel applies without --search" in capsys.readouterr().err

@@ -30,6 +30,7 @@ def test_public_surface_is_what_we_mean():
         "clip_grad_norm",
         "clip_grad_value",
         "MeshSizeError",
+        "PipelineSplitError",
         "ShardingStrategyError",
         "CheckpointNotFoundError",
         "CheckpointKeyError",

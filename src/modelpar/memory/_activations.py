@@ -38,7 +38,9 @@ pointwise chains (the norms' casts and normalization, SiLU, RoPE) and keeps the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from torch import nn
 
@@ -48,6 +50,7 @@ from modelpar.plans._plan import ParallelPlan
 
 __all__ = [
     "ActivationEstimate",
+    "ActivationSetting",
     "DecoderShape",
     "activation_bytes",
     "check_sequence",
@@ -76,6 +79,19 @@ class DecoderShape:
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     rope_tables: bool  # cos / sin computed per forward and kept once (Hugging Face)
     moe: MoEShape | None = None  # the MoE layers (modelpar.memory._moe), None for a dense model
+
+
+class ActivationSetting(TypedDict):
+    """What sizes the activations besides the batch and sequence: :func:`activation_bytes`' keyword arguments."""
+
+    act_bytes: int
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    checkpointing: str
+    ac_every: int
+    compiled: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -168,11 +184,16 @@ def activation_bytes(
     checkpointing: str = "none",
     ac_every: int = 1,
     compiled: frozenset[int] = frozenset(),
+    layer_ids: Sequence[int] | None = None,
+    first: bool = True,
+    last: bool = True,
 ) -> ActivationEstimate:
     """What one rank keeps from forward for backward, by part (see the module docstring for each term).
 
     ``compiled``: indices of the layers the plan compiles, counted as inductor's partitioner keeps them
-    (:mod:`modelpar.memory._compiled`).
+    (:mod:`modelpar.memory._compiled`). A pipeline stage counts its own layers (``layer_ids``; ``ac_every`` counts
+    them from the stage's first, as the plan applied to the stage does), the token ids only when it is the ``first``
+    and the final norm, logits and loss only when it is the ``last``.
     """
     a, s = act_bytes, seq_len // cp
     rows = batch * s
@@ -199,13 +220,14 @@ def activation_bytes(
     cp_kv = cp_gathered_kv(shape, batch=batch, seq_len=seq_len, tp=tp, a=a) if cp > 1 else 0
     eager = LayerTerms(norms=norms, mlp=mlp, mlp_selective=rows * d * a + 2 * rows * f * a)
     inductor = compiled_terms(rows=rows, stream_rows=stream_rows, d=d, f=f, h=h, g=g, e=e, a=a, qk_norm=shape.qk_norm)
+    ids = list(range(shape.layers)) if layer_ids is None else sorted(layer_ids)
     dense = kept = moe = checkpointed = recompute = 0
-    for index in range(shape.layers):
+    for position, index in enumerate(ids, start=1):
         terms = inductor if index in compiled else eager
         is_moe = shape.moe is not None and index in shape.moe.layer_ids
         ffn = _moe_ffn(shape, rows, a, "none") if is_moe else terms.mlp
         ffn_selective = _moe_ffn(shape, rows, a, "selective") if is_moe else terms.mlp_selective
-        if checkpointing == "none" or (index + 1) % ac_every:
+        if checkpointing == "none" or position % ac_every:
             dense += terms.norms + attention + (0 if is_moe else ffn)
             moe += ffn if is_moe else 0
             continue
@@ -218,28 +240,31 @@ def activation_bytes(
             kept += selective_attention + (0 if is_moe else ffn_selective)
             moe += ffn_selective if is_moe else 0
             recompute = max(recompute, everything - selective_attention - ffn_selective)
-    n_moe = len(shape.moe.layer_ids) if shape.moe is not None else 0
+    n_moe = len(set(shape.moe.layer_ids) & set(ids)) if shape.moe is not None else 0
     moe_name = f"MoE feed-forwards ({n_moe} layer{'s' * (n_moe != 1)})"
 
     vocab = shape.vocab // tp if loss_parallel else shape.vocab
-    parts = [
-        ("token ids", rows * _INDEX),
+    parts = [("token ids", rows * _INDEX * first)]
+    parts += [
         ("layers, not checkpointed", dense),
         (f"layers, {checkpointing} checkpointing", kept),
-        ("cp gathered K/V", (shape.layers - checkpointed) * cp_kv),
+        ("cp gathered K/V", (len(ids) - checkpointed) * cp_kv),
         (moe_name, moe),
-        ("final norm, LM head input", _norm(stream_rows, d, a, copies) + rows * d * a),
-        ("logits", rows * vocab * a),
-        ("log-probabilities (fp32)", rows * vocab * _FP32),
     ]
+    if last:
+        parts += [
+            ("final norm, LM head input", _norm(stream_rows, d, a, copies) + rows * d * a),
+            ("logits", rows * vocab * a),
+            ("log-probabilities (fp32)", rows * vocab * _FP32),
+        ]
     if shape.rope_tables:
         parts.append(("rotary cos/sin", 2 * s * e * a))
     return ActivationEstimate(
         parts=tuple((name, size) for name, size in parts if size),
         recompute=recompute,
-        loss_backward=2 * rows * vocab * _FP32,
-        layers=shape.layers,
-        compiled_layers=len(compiled & set(range(shape.layers))),
+        loss_backward=2 * rows * vocab * _FP32 * last,
+        layers=len(ids),
+        compiled_layers=len(compiled & set(ids)),
     )
 
 

@@ -7,7 +7,9 @@ FSDP units. It then shards dim 0 of every parameter over the FSDP shard group ex
 gradients, optimizer states and the largest unit while it is all-gathered. No process group, no device.
 Given a sequence length it adds the activations (:mod:`modelpar.memory._activations`) and FSDP2's transient buffers
 and reports the peak per rank (the rule: :mod:`modelpar.memory._transients`). Mixtures of experts, under expert
-parallelism too: :mod:`modelpar.memory._moe`.
+parallelism too: :mod:`modelpar.memory._moe`. The per-parameter count is :mod:`modelpar.memory._state`; under pipeline
+parallelism it runs per stage and the worst pipeline rank is reported (:mod:`modelpar.memory._pipeline`, the schedules'
+timeline: :mod:`modelpar.memory._schedule`).
 
 A plain ``parallelize_fn`` is code, not data: what it does is known only by running it, so it is refused.
 The CUDA caching allocator's slack, communication buffers, a prefetched second unit and the rest of
@@ -16,34 +18,35 @@ The CUDA caching allocator's slack, communication buffers, a prefetched second u
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
 from modelpar._mesh.layout import MeshLayout, check_size_arg
 from modelpar._strategy.precision import SUPPORTED_PRECISIONS
-from modelpar._train.fsdp import FSDPOptions, fsdp_shard_dim
+from modelpar._train.fsdp import FSDPOptions
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
-from modelpar.memory._activations import activation_bytes, check_sequence, decoder_shape, setting_label
+from modelpar.memory._activations import (
+    ActivationSetting,
+    DecoderShape,
+    activation_bytes,
+    check_sequence,
+    decoder_shape,
+    setting_label,
+)
 from modelpar.memory._compiled import compiled_layers
 from modelpar.memory._meta_models import hf_on_meta, llama_on_meta
 from modelpar.memory._moe import all_to_all_bytes, expert_units, moe_notes, refuse_hugging_face_experts
+from modelpar.memory._pipeline import check_pipeline, estimate_stages
 from modelpar.memory._report import MemoryEstimate, dtype_name
+from modelpar.memory._state import StateCount, StateRules, count_state
 from modelpar.memory._transients import ROOT, worst_moment
 from modelpar.plans._checks import resolve_styles, resolve_units
 from modelpar.plans._experts import drop_expert_styles, moe_modules
 from modelpar.plans._plan import ParallelPlan
-from modelpar.plans._styles import StyleSpec
 from modelpar.plans._units import outermost
 
 __all__ = ["OPTIMIZER_STATES", "MemoryEstimate", "estimate_memory", "hf_on_meta", "llama_on_meta"]
@@ -54,9 +57,6 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 
 #: Precisions whose parameters are stored in a lower dtype (Fabric's ``init_module`` creates them so).
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-_COLUMN_NAMES = ("colwise", "colwise_gather", "output")
-_ROW_NAMES = ("rowwise", "embedding")
-_REPLICATING = (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
 
 
 def estimate_memory(
@@ -77,6 +77,11 @@ def estimate_memory(
     reshard_after_forward: bool | None = None,
     expert_parallel_size: int = 1,
     accumulate_grad_batches: int = 1,
+    pipeline_parallel_size: int = 1,
+    pipeline_schedule: str = "1F1B",
+    pipeline_microbatches: int | None = None,
+    pipeline_stages_per_rank: int | None = None,
+    pipeline_split: Sequence[Sequence[str]] | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank that ``plan`` on this layout needs for ``model``'s state, computed without running anything.
 
@@ -115,6 +120,16 @@ def estimate_memory(
     count. :attr:`~MemoryEstimate.peak` adds them up (see the module docstring for the rule); ``str()`` prints it
     with its parts.
 
+    ``pipeline_parallel_size`` (``pipeline_schedule``, ``pipeline_microbatches``, ``pipeline_stages_per_rank``,
+    ``pipeline_split``: the strategy's options, checked with its messages) cuts the model as the strategy does and
+    estimates the pipeline rank whose peak is highest: only its stages' parameters (and their gradients, optimizer
+    states, units), the activations of the micro-batches its schedule keeps in flight, the receive buffers, and what
+    FSDP2 holds under torch's schedules (every backward but the last runs without gradient sync or resharding). The
+    other sizes are per stage, as in the strategy; ``micro_batch_size`` is then the batch each data-parallel rank
+    passes to ``pipeline_step``, split into ``pipeline_microbatches`` micro-batches
+    (:mod:`modelpar.memory._pipeline`, :mod:`modelpar.memory._schedule`). ``MemoryEstimate.pipeline`` has every
+    rank's figures.
+
     Raises ``TypeError`` for a ``plan`` that is not a ``ParallelPlan``, and what ``plan.check`` raises when the
     plan does not fit the model at this tensor-parallel size.
     """
@@ -127,7 +142,18 @@ def estimate_memory(
             " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
         )
     cp = check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
-    layout = _layout(data_parallel_size, tensor_parallel_size, data_parallel_replicate_size, cp, expert_parallel_size)
+    pipeline = check_pipeline(
+        pipeline_parallel_size,
+        pipeline_schedule,
+        pipeline_microbatches,
+        pipeline_stages_per_rank,
+        pipeline_split,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+    )
+    pp = pipeline.size if pipeline is not None else 1
+    sizes = (data_parallel_size, tensor_parallel_size, data_parallel_replicate_size)
+    layout = _layout(*sizes, cp, expert_parallel_size, pp)
     GradientSyncControl(gradient_accumulation)  # validates the mode with the strategy's message
     if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
         raise TypeError(
@@ -171,56 +197,19 @@ def estimate_memory(
     plan = _checkpointing_as_mode(model, plan, units, notes)
 
     true_dtype = _TRUE_DTYPES.get(precision)
-    sharded = unsharded_grads = optimizer_bytes = 0
-    gathered: dict[str, int] = {}
-    reduce_buffer: dict[str, int] = {}
-    param_dtype = compute_dtype = torch.float32
-    for name, param in model.named_parameters():  # deduplicated: a tied parameter appears once
-        module_name, _, local_name = name.rpartition(".")
-        storage = true_dtype if true_dtype is not None and param.is_floating_point() else param.dtype
-        compute = policy.param_dtype if policy.param_dtype is not None and param.is_floating_point() else storage
-        param_dtype, compute_dtype = storage, compute
-        reduce = policy.reduce_dtype if policy.reduce_dtype is not None else compute
-        shape = list(param.shape)
-        style = styles.get(module_name)
-        if style is not None:
-            dim = _tp_dim(model.get_submodule(module_name), local_name, style, notes, module_name)
-            if dim is not None:
-                shape[dim] //= tp
-        rows, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-        unit, group = experts.get(module_name), shard
-        if unit is not None:  # E / ep whole experts, FSDP over the ranks holding the same ones, their own unit
-            rows, group = rows // layout.expert_parallel_size, layout.expert_shard_size
-        # FSDP2's padded dim-0 chunks, or for fused experts fewer than the ranks an even cut of a later dim
-        even = fsdp_shard_dim((rows, *shape[1:]), group) > 0
-        per_rank = rows * rest // group if even else math.ceil(rows / group) * rest
-        sharded += per_rank * storage.itemsize
-        optimizer_bytes += states * per_rank * storage.itemsize
-        unsharded_grads += rows * rest * reduce.itemsize
-        unit = unit or _unit_of(module_name, units)
-        gathered[unit] = gathered.get(unit, 0) + per_rank * group * compute.itemsize
-        reduce_buffer[unit] = reduce_buffer.get(unit, 0) + per_rank * group * reduce.itemsize
-    largest = max(gathered, key=lambda u: gathered[u]) if gathered else ROOT
-    unit_bytes = gathered.get(largest, 0)
-    grads = unsharded_grads if gradient_accumulation == "unsharded" else sharded
-    buffers = sum(
-        b.numel() * (true_dtype if true_dtype is not None and b.is_floating_point() else b.dtype).itemsize
-        for b in model.buffers()
-    )
+    rules = StateRules(model, layout, styles, experts, units, policy, true_dtype, states)
     resharding = (
         plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
     ) is not False
-    activations, decoder = None, None
-    extras: dict[str, tuple[tuple[str, int], ...]] = {}
+    whole = count_state(rules, model.named_parameters(), notes)  # deduplicated: a tied parameter appears once
+    decoder: DecoderShape | None = None
+    activation_args: ActivationSetting | None = None
     if seq_len is not None:
         decoder = decoder_shape(model)
         compiled, why_eager = compiled_layers(model, units, plan, moe=decoder.moe is not None)
         notes |= {why_eager} - {""}
-        activations = activation_bytes(
-            decoder,
-            batch=micro_batch_size,
-            seq_len=seq_len,
-            act_bytes=compute_dtype.itemsize,
+        activation_args = ActivationSetting(
+            act_bytes=whole.compute_dtype.itemsize,
             tp=tp,
             cp=cp,
             sequence_parallel=plan.sequence_parallel and tp > 1,
@@ -229,31 +218,75 @@ def estimate_memory(
             ac_every=plan.ac_every,
             compiled=compiled,
         )
-    if seq_len is not None and decoder is not None and decoder.moe is not None and experts:  # dispatch / combine
-        a2a = all_to_all_bytes(
-            decoder.moe, rows=micro_batch_size * seq_len, dim=decoder.hidden, a=compute_dtype.itemsize
+    unsharded = gradient_accumulation == "unsharded"
+
+    def buffer_bytes(tensors: Iterable[torch.Tensor]) -> int:
+        return sum(
+            b.numel() * (true_dtype if true_dtype is not None and b.is_floating_point() else b.dtype).itemsize
+            for b in tensors
         )
-        extras = {unit: (("all-to-all send + receive", a2a),) for unit in experts.values()}
-    moment_name, moment = worst_moment(
-        gathered,
-        reduce_buffer,
-        activations,
-        resharding=resharding,
-        accumulate=gradient_accumulation == "unsharded",
-        unit_extras=extras,
-    )
-    root = gathered.get(ROOT, 0) if resharding else sum(gathered.values())
-    host = 0
-    if cpu_offload:
-        host = sharded + optimizer_bytes + (grads if gradient_accumulation == "sharded" else 0)
+
+    def host_bytes(count: StateCount) -> int:
+        return (count.sharded + count.optimizer + (0 if unsharded else count.sharded)) if cpu_offload else 0
+
+    def persistent(count: StateCount, buffers: int) -> int:
+        """A pipeline rank's persistent device bytes: its sharded state unless offloaded, its buffers, and its sharded
+        gradients when they outlive the step (accumulating over steps)."""
+        state = 0 if cpu_offload else count.sharded + count.optimizer
+        kept = accumulate_grad_batches > 1 and not unsharded and not cpu_offload
+        return state + buffers + (count.sharded if kept else 0)
+
+    if pipeline is not None:
+        staged = estimate_stages(
+            model,
+            rules,
+            pipeline,
+            notes=notes,
+            buffer_bytes=buffer_bytes,
+            resharding=resharding,
+            unsharded_accumulation=unsharded,
+            persistent=persistent,
+            decoder=decoder,
+            activation_args=activation_args,
+            micro_batch_size=micro_batch_size,
+            seq_len=seq_len,
+        )
+        count, buffers, activations = staged.count, staged.buffers, staged.activations
+        moment_name, moment, root, largest = staged.moment_name, staged.moment, staged.root, staged.largest_unit
+        batch = micro_batch_size // pipeline.microbatches
+    else:
+        count = whole
+        buffers, batch = buffer_bytes(model.buffers()), micro_batch_size
+        activations = None
+        if activation_args is not None and decoder is not None and seq_len is not None:
+            activations = activation_bytes(decoder, batch=micro_batch_size, seq_len=seq_len, **activation_args)
+        extras: dict[str, tuple[tuple[str, int], ...]] = {}
+        if activation_args is not None and decoder is not None and decoder.moe is not None and experts:
+            a2a = all_to_all_bytes(
+                decoder.moe, rows=micro_batch_size * (seq_len or 0), dim=decoder.hidden, a=activation_args["act_bytes"]
+            )
+            extras = {unit: (("all-to-all send + receive", a2a),) for unit in experts.values()}
+        moment_name, moment = worst_moment(
+            count.gathered,
+            count.reduce_buffer,
+            activations,
+            resharding=resharding,
+            accumulate=unsharded,
+            unit_extras=extras,
+        )
+        root = count.gathered.get(ROOT, 0) if resharding else sum(count.gathered.values())
+        largest = max(count.gathered, key=lambda u: count.gathered[u]) if count.gathered else ROOT
+    unit_bytes = count.gathered.get(largest, 0)
+    grads = count.unsharded_grads if unsharded else count.sharded
+    param_dtype, compute_dtype = count.param_dtype, count.compute_dtype
     return MemoryEstimate(
-        parameters=sharded,
+        parameters=count.sharded,
         gradients=grads,
-        optimizer_states=optimizer_bytes,
+        optimizer_states=count.optimizer,
         gathered_unit=unit_bytes,
-        unit_gradients=unit_bytes if gradient_accumulation == "sharded" else 0,
+        unit_gradients=unit_bytes if not unsharded else 0,
         buffers=buffers,
-        host=host,
+        host=host_bytes(count),
         largest_unit=largest,
         layout=layout,
         precision=precision,
@@ -266,13 +299,14 @@ def estimate_memory(
         activations=activations,
         moment=moment,
         moment_name=moment_name,
-        setting=setting_label(plan, seq_len, micro_batch_size, cp, tp, dtype_name(compute_dtype)),
+        setting=setting_label(plan, seq_len, batch, cp, tp, dtype_name(compute_dtype)),
         accumulate_grad_batches=accumulate_grad_batches,
+        pipeline=staged.pipeline if pipeline is not None else None,
     )
 
 
 def _layout(
-    data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int, cp: int, ep: int
+    data_parallel_size: int, tensor_parallel_size: int, data_parallel_replicate_size: int, cp: int, ep: int, pp: int
 ) -> MeshLayout:
     sizes = {
         "data_parallel_size": data_parallel_size,
@@ -286,7 +320,7 @@ def _layout(
                 f'estimate_memory({name}="auto"): an estimate has no cluster to resolve "auto" against. Pass the'
                 " size as an int."
             )
-    world = data_parallel_size * tensor_parallel_size * cp
+    world = data_parallel_size * tensor_parallel_size * cp * pp
     return MeshLayout.resolve(
         data_parallel_size,
         tensor_parallel_size,
@@ -296,6 +330,7 @@ def _layout(
         data_parallel_replicate_size=data_parallel_replicate_size,
         context_parallel_size=cp,
         expert_parallel_size=ep,
+        pipeline_parallel_size=pp,
     )
 
 
@@ -308,34 +343,6 @@ def _optimizer_states(optimizer: str | int) -> int:
         f"`optimizer={optimizer!r}` is not an optimizer the estimate knows. Pass one of {list(OPTIMIZER_STATES)},"
         " or the number of parameter-shaped state tensors your optimizer keeps per parameter (an int >= 0)."
     )
-
-
-def _tp_dim(module: nn.Module, local_name: str, style: StyleSpec, notes: set[str], module_name: str) -> int | None:
-    """The dim of ``module.<local_name>`` that ``style`` splits across the tensor-parallel ranks, or ``None``."""
-    column = style in _COLUMN_NAMES or isinstance(style, ColwiseParallel)
-    row = style in _ROW_NAMES or isinstance(style, RowwiseParallel)
-    if isinstance(module, nn.Linear) and (column or row):
-        if local_name == "weight":
-            return 0 if column else 1
-        return 0 if column and local_name == "bias" else None
-    if isinstance(module, nn.Embedding) and (column or row) and local_name == "weight":
-        return 1 if column else 0
-    split = getattr(style, "splits_parameters_dim", None)
-    if isinstance(split, int):  # a style that splits each of its module's own parameters along one dim
-        return split
-    if isinstance(style, (str, *_REPLICATING)) or getattr(style, "replicates_parameters", False):
-        return None  # norm, sequence_gather: parameters replicated (or untouched) on the tensor-parallel ranks
-    notes.add(
-        f"{module_name!r}: {type(style).__name__} on {type(module).__name__} is counted unsplit (the estimate knows"
-        " ColwiseParallel, RowwiseParallel and SequenceParallel only)."
-    )
-    return None
-
-
-def _unit_of(module_name: str, units: list[str]) -> str:
-    """The deepest FSDP unit that holds ``module_name`` (``fully_shard`` bottom-up: inner units own theirs)."""
-    owners = [u for u in units if module_name == u or module_name.startswith(u + ".")]
-    return max(owners, key=len) if owners else ROOT
 
 
 def _checkpointing_as_mode(model: nn.Module, plan: ParallelPlan, units: list[str], notes: set[str]) -> ParallelPlan:

@@ -9,6 +9,7 @@ import torch
 from modelpar._mesh.layout import MeshLayout
 from modelpar._train.grad_sync import AccumulationMode
 from modelpar.memory._activations import ActivationEstimate
+from modelpar.memory._schedule import PipelineEstimate
 
 __all__ = ["MemoryEstimate", "dtype_name"]
 
@@ -23,6 +24,10 @@ class MemoryEstimate:
     largest FSDP unit's parameters all-gathered in the compute dtype) and ``unit_gradients`` (its unsharded
     gradients during its backward) are transient, one unit at a time. With ``cpu_offload`` the persistent,
     sharded state lives on the host (``host``); ``device`` is the rest. ``str()`` gives a table.
+
+    Under pipeline parallelism (``pipeline``) every figure is the worst pipeline rank's (its stages only), and the
+    peak is that rank's worst moment of the schedule: ``pipeline.worst_rank`` has its parts beyond the persistent
+    state, ``pipeline.ranks`` every rank's.
     """
 
     parameters: int
@@ -46,6 +51,7 @@ class MemoryEstimate:
     moment_name: str = ""
     setting: str = ""
     accumulate_grad_batches: int = 1
+    pipeline: PipelineEstimate | None = None
 
     @property
     def total(self) -> int:
@@ -82,6 +88,9 @@ class MemoryEstimate:
         activations: the peak holds the larger of the two, so only what the gradients exceed the activations by
         counts. Under accumulation the earlier micro-batches' gradients are there beside every activation.
         """
+        if self.pipeline is not None:  # the sharded gradients appear after the last backward, if not kept
+            kept = self.accumulate_grad_batches > 1 and self.gradient_accumulation == "sharded"
+            return self.device_gradients if kept else 0
         if self.accumulate_grad_batches > 1:
             return self.device_gradients
         return max(0, self.device_gradients - self.stored_activations)
@@ -89,7 +98,10 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         """Device bytes at the worst moment of a step: persistent state, root gathered, activations, the gradients
-        beyond them (:attr:`peak_gradients`), the worst moment of backward."""
+        beyond them (:attr:`peak_gradients`), the worst moment of backward. Under pipeline parallelism: the worst
+        rank's persistent state and what is live at its worst moment (:class:`PipelineEstimate`)."""
+        if self.pipeline is not None:
+            return self._persistent_without_gradients + self.peak_gradients + self.pipeline.worst_rank.at_peak
         return (
             self._persistent_without_gradients
             + self.peak_gradients
@@ -123,6 +135,8 @@ class MemoryEstimate:
             + (f" {layout.context_parallel_size} context-parallel x" if layout.context_parallel_size > 1 else "")
             + f" {layout.tensor_parallel_size} tensor-parallel; precision {self.precision}"
         )
+        if self.pipeline is not None:
+            head += "\n" + _pipeline_head(self.pipeline)
         if layout.expert_parallel_size > 1:
             group = layout.expert_shard_size
             head += f"\nexperts: {layout.expert_parallel_size}-way expert parallel (whole experts), " + (
@@ -140,6 +154,8 @@ class MemoryEstimate:
         return "\n".join(line.rstrip() for line in lines)
 
     def _peak_lines(self) -> list[str]:
+        if self.pipeline is not None:
+            return self._pipeline_peak_lines(self.pipeline)
         persistent = self._persistent_without_gradients
         rows: list[tuple[str, str, int | None]] = [("persistent state", "parameters, optimizer, buffers", persistent)]
         if self.accumulate_grad_batches > 1:
@@ -162,6 +178,68 @@ class MemoryEstimate:
         lines = ["", "Peak per rank (device)"]
         lines += [name if size is None else f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
         return lines
+
+    def _pipeline_peak_lines(self, pipeline: PipelineEstimate) -> list[str]:
+        usage = pipeline.worst_rank
+        grads = (
+            f"kept over {self.accumulate_grad_batches} accumulated batches"
+            if self.peak_gradients
+            else "written at the end"
+        )
+        rows: list[tuple[str, str, int | None]] = [
+            ("persistent state", "parameters, optimizer, buffers", self._persistent_without_gradients),
+            ("sharded gradients", grads, self.peak_gradients),
+        ]
+        if self.activations is not None:
+            rows.append(("activations", self.setting, self.activations.stored))
+            rows.append((f"  assumes: {_kept_by(self.activations)}", "", None))
+            rows += [(f"  {name}", "", size) for name, size in self.activations.parts]
+        else:
+            rows.append(("activations", "not counted: pass seq_len (--seq-len)", 0))
+        if usage.moment_parts:
+            rows.append(("backward moment", self.moment_name, sum(size for _, size in self.moment)))
+            rows += [(f"  {name}", "", size) for name, size in usage.moment_parts]
+        rows += [(name, _pipeline_what(name), size) for name, size in usage.other_parts]
+        rows.append(("peak", "", self.peak))
+        others = ", ".join(f"rank {rank} {_human(peak)}" for rank, peak in enumerate(pipeline.peaks))
+        lines = ["", f"Peak per rank (device): pipeline rank {usage.rank}, {usage.moment}"]
+        lines += [name if size is None else f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
+        return [*lines, f"peaks per pipeline rank: {others}"]
+
+
+def _pipeline_head(pipeline: PipelineEstimate) -> str:
+    """The pipeline line of the table's head: sizes, schedule, micro-batches, and the worst rank's stages."""
+    usage = pipeline.worst_rank
+    per = f" x {pipeline.stages_per_rank} stages per rank" if pipeline.stages_per_rank > 1 else ""
+    batch = f" of {pipeline.micro_batch_size}" if pipeline.micro_batch_size is not None else ""
+    stages = "; ".join(
+        f"stage {s} ({_modules(pipeline.stage_modules[s])}): at most {n} in flight"
+        for s, n in zip(usage.stages, usage.in_flight, strict=True)
+    )
+    return (
+        f"pipeline: {pipeline.size} ranks{per}, {pipeline.schedule}, {pipeline.microbatches} micro-batches{batch};"
+        f" worst: pipeline rank {usage.rank} of {pipeline.size}, {stages}"
+    )
+
+
+#: What each kind of pipeline part is, by how its name ends (``modelpar.memory._schedule.rank_peak`` names them).
+_PIPELINE_WHAT = {
+    "receive buffers": "in and gradient, one each per micro-batch",
+    "every unit": "not resharded after a micro-batch's backward",
+    "root": "forward through backward",
+    "unsharded gradients": "accumulated, no sync until the last",
+    "reduce-scatter input": "after the last backward, one unit at a time",
+    "merged outputs": "the schedule's output merge (torch.cat)",
+    "sharded gradients": "written by the reduce-scatters",
+}
+
+
+def _pipeline_what(name: str) -> str:
+    return next((what for end, what in _PIPELINE_WHAT.items() if name.endswith(end)), "")
+
+
+def _modules(names: tuple[str, ...]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:2])} ... {names[-1]}"
 
 
 def _kept_by(activations: ActivationEstimate) -> str:

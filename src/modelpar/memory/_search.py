@@ -1,14 +1,18 @@
-"""Which layouts of a model fit a GPU: every (data parallel, replicas, context parallel, tensor parallel, expert
-parallel, AC) of a world size, estimated with :func:`~modelpar.estimate_memory`, those whose peak fits, best first.
+"""Which layouts of a model fit a GPU: every (pipeline parallel, data parallel, replicas, context parallel, tensor
+parallel, expert parallel, AC) of a world size, estimated with :func:`~modelpar.estimate_memory`, those whose peak
+fits, best first.
 
 The rule, best first: least recomputation (activation checkpointing ``none``, then ``selective``, then
 ``full``: recomputation costs compute in every step), then the smallest tensor-parallel size, then the smallest
-context-parallel size (both add collectives inside every layer, on the critical path), then the fewest
+context-parallel size (both add collectives inside every layer, on the critical path), then the smallest
+pipeline-parallel size (its bubble idles ``(p - 1) / (m + p - 1)`` of every step, for 1F1B), then the fewest
 replicas (HSDP replicas hold a whole copy of the sharded state), then the smallest peak (where expert parallelism
 shows: it keeps the sharded state per rank but gathers ``E / ep`` experts instead of all), then the smallest
 expert-parallel size. Expert-parallel sizes are tried for plans that split experts (``ParallelPlan.experts``):
 those dividing the ranks that shard each replica and every MoE module's experts, with ``cp = 1`` (expert
-parallelism refuses context parallelism).
+parallelism refuses context parallelism). Pipeline sizes: the divisors of the world size up to the number of
+blocks (times the stages per rank) that the model can be cut into, whose micro-batch count divides
+``micro_batch_size`` (then the batch each data-parallel rank splits into micro-batches).
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from modelpar._errors import PipelineSplitError
 from modelpar.memory._estimate import MemoryEstimate, estimate_memory
+from modelpar.memory._pipeline import check_pipeline
+from modelpar.pipeline._split import cut_model
 from modelpar.plans._experts import experts_name, moe_modules
 from modelpar.plans._plan import ParallelPlan
 
@@ -50,12 +57,14 @@ class Fit:
     checkpointing: str
     estimate: MemoryEstimate
     expert_parallel: int = 1
+    pipeline_parallel: int = 1
 
-    def rank_key(self) -> tuple[int, int, int, int, int, int]:
+    def rank_key(self) -> tuple[int, int, int, int, int, int, int]:
         return (
             _AC_ORDER.index(self.checkpointing),
             self.tensor_parallel,
             self.context_parallel,
+            self.pipeline_parallel,
             self.replicate,
             self.estimate.peak,
             self.expert_parallel,
@@ -79,6 +88,33 @@ def _n_experts(experts: nn.Module) -> int:
     return next(experts.parameters()).shape[0]
 
 
+def _pipeline_sizes(
+    model: nn.Module,
+    world_size: int,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    schedule: str,
+    microbatches: int | None,
+    stages_per_rank: int | None,
+) -> list[int]:
+    """Pipeline sizes to try: 1, and each divisor of the world size whose settings pass the strategy's checks, whose
+    micro-batches divide the batch, and into whose stages the model can be cut (at least one block each)."""
+    sizes = [1]
+    check_pipeline(1, schedule, microbatches, stages_per_rank, None, micro_batch_size=micro_batch_size, seq_len=None)
+    for pp in _divisors(world_size)[1:]:
+        try:
+            settings = check_pipeline(
+                pp, schedule, microbatches, stages_per_rank, None, micro_batch_size=micro_batch_size, seq_len=seq_len
+            )
+            if settings is not None:
+                cut_model(model, pp * settings.per_rank)
+        except (ValueError, PipelineSplitError):  # too few blocks or micro-batches, tied weights: not a layout
+            continue
+        sizes.append(pp)
+    return sizes
+
+
 def search_layouts(
     model: nn.Module,
     plan: ParallelPlan,
@@ -87,53 +123,76 @@ def search_layouts(
     gpu_memory: int,
     seq_len: int,
     micro_batch_size: int = 1,
+    pipeline_schedule: str = "1F1B",
+    pipeline_microbatches: int | None = None,
+    pipeline_stages_per_rank: int | None = None,
     **kwargs: object,
 ) -> tuple[list[Fit], int]:
     """(layouts whose peak fits ``gpu_memory``, best first; how many layouts were tried).
 
     Tensor-parallel sizes divide the key-value heads (and every dim the plan splits); context-parallel sizes
-    divide ``seq_len``; replicas divide the data-parallel size; ``dp x cp x tp = world_size``; expert-parallel
-    sizes (plans with ``experts``, ``cp = 1``) divide the ranks sharding each replica and the experts. ``kwargs`` go to
-    :func:`~modelpar.estimate_memory` (``precision``, ``optimizer`` ...).
+    divide ``seq_len``; replicas divide the data-parallel size; ``pp x dp x cp x tp = world_size``; expert-parallel
+    sizes (plans with ``experts``, ``cp = 1``) divide the ranks sharding each replica and the experts; pipeline sizes
+    (with ``pipeline_schedule`` ...) as the module docstring says. ``kwargs`` go to :func:`~modelpar.estimate_memory`
+    (``precision``, ``optimizer`` ...).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size {world_size!r} must be a positive int (the number of GPUs).")
     plan.check(model, 1)  # a plan that does not match the model fails here, not silently for every size
+    pipeline = {
+        "pipeline_schedule": pipeline_schedule,
+        "pipeline_microbatches": pipeline_microbatches,
+        "pipeline_stages_per_rank": pipeline_stages_per_rank,
+    }
+    pipeline_sizes = _pipeline_sizes(
+        model,
+        world_size,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        schedule=pipeline_schedule,
+        microbatches=pipeline_microbatches,
+        stages_per_rank=pipeline_stages_per_rank,
+    )
     fits: list[Fit] = []
     tried = 0
-    for tp in _divisors(world_size):
-        try:
-            plan.check(model, tp)
-        except ValueError:
-            continue  # heads or a split dim do not divide: not a layout of this model
-        for cp in _divisors(world_size // tp):
-            # modelpar.context's load-balanced layout: two chunks per context-parallel rank
-            if seq_len % ((2 * cp if cp > 1 else 1) * (tp if plan.sequence_parallel else 1)):
-                continue
-            dp = world_size // (tp * cp)
-            for replicate in _divisors(dp):
-                for ep in _expert_sizes(model, plan, dp // replicate) if cp == 1 else [1]:
-                    for ac in _AC_ORDER:
-                        tried += 1
-                        estimate = estimate_memory(
-                            model,
-                            plan=plan.replace(activation_checkpointing=ac),
-                            data_parallel_size=dp,
-                            tensor_parallel_size=tp,
-                            data_parallel_replicate_size=replicate,
-                            context_parallel_size=cp,
-                            expert_parallel_size=ep,
-                            seq_len=seq_len,
-                            micro_batch_size=micro_batch_size,
-                            **kwargs,  # type: ignore[arg-type]
-                        )
-                        if estimate.peak <= gpu_memory:
-                            fits.append(Fit(dp, replicate, cp, tp, ac, estimate, ep))
+    for pp in pipeline_sizes:
+        stage_ranks = world_size // pp
+        for tp in _divisors(stage_ranks):
+            try:
+                plan.check(model, tp)
+            except ValueError:
+                continue  # heads or a split dim do not divide: not a layout of this model
+            for cp in _divisors(stage_ranks // tp):
+                # modelpar.context's load-balanced layout: two chunks per context-parallel rank
+                if seq_len % ((2 * cp if cp > 1 else 1) * (tp if plan.sequence_parallel else 1)):
+                    continue
+                dp = stage_ranks // (tp * cp)
+                for replicate in _divisors(dp):
+                    for ep in _expert_sizes(model, plan, dp // replicate) if cp == 1 else [1]:
+                        for ac in _AC_ORDER:
+                            tried += 1
+                            estimate = estimate_memory(
+                                model,
+                                plan=plan.replace(activation_checkpointing=ac),
+                                data_parallel_size=dp,
+                                tensor_parallel_size=tp,
+                                data_parallel_replicate_size=replicate,
+                                context_parallel_size=cp,
+                                expert_parallel_size=ep,
+                                pipeline_parallel_size=pp,
+                                seq_len=seq_len,
+                                micro_batch_size=micro_batch_size,
+                                **pipeline,  # type: ignore[arg-type]
+                                **kwargs,  # type: ignore[arg-type]
+                            )
+                            if estimate.peak <= gpu_memory:
+                                fits.append(Fit(dp, replicate, cp, tp, ac, estimate, ep, pp))
     return sorted(fits, key=Fit.rank_key), tried
 
 
 def format_fits(fits: list[Fit], tried: int, *, world_size: int, gpu_memory: int, limit: int = 20) -> str:
-    """The table ``modelpar estimate --search`` prints, or why nothing fits."""
+    """The table ``modelpar estimate --search`` prints, or why nothing fits; with a ``pp`` column when a pipeline
+    layout fits (without one, the column would read 1 throughout)."""
     gib = 2**30
     head = f"Layouts of {world_size} ranks whose estimated peak fits {gpu_memory / gib:.2f} GiB per rank"
     if not fits:
@@ -141,16 +200,27 @@ def format_fits(fits: list[Fit], tried: int, *, world_size: int, gpu_memory: int
             f"{head}: none of the {tried} tried fits. Add ranks, shorten --seq-len or --micro-batch, or use"
             " --precision bf16-true / --cpu-offload."
         )
-    rule = "best first: least recomputation (AC none < selective < full), then smallest tp, cp, replicas, peak, ep"
+    rule = "best first: least recomputation (AC none < selective < full), then smallest tp, cp, pp, replicas, peak, ep"
     lines = [f"{head} ({len(fits)} of {tried}; {rule}):"]
+    pipelined = any(fit.pipeline_parallel > 1 for fit in fits)  # the pp column when a pipeline layout is listed
+    names = ("pp", "dp", "replicate", "cp", "tp", "ep")[not pipelined :]
+    widths = (4, 4, 9, 4, 4, 4)[not pipelined :]
     lines.append(
-        f"{'dp':>4} {'replicate':>9} {'cp':>4} {'tp':>4} {'ep':>4} {'AC':>10} {'peak GiB':>9} {'activations':>12}"
+        " ".join(f"{name:>{width}}" for name, width in zip(names, widths, strict=True))
+        + f" {'AC':>10} {'peak GiB':>9} {'activations':>12}"
     )
     for fit in fits[:limit]:
         e = fit.estimate
-        sizes = (fit.data_parallel, fit.replicate, fit.context_parallel, fit.tensor_parallel, fit.expert_parallel)
+        sizes = (
+            fit.pipeline_parallel,
+            fit.data_parallel,
+            fit.replicate,
+            fit.context_parallel,
+            fit.tensor_parallel,
+            fit.expert_parallel,
+        )[not pipelined :]
         lines.append(
-            " ".join(f"{size:>{width}}" for size, width in zip(sizes, (4, 9, 4, 4, 4), strict=True))
+            " ".join(f"{size:>{width}}" for size, width in zip(sizes, widths, strict=True))
             + f" {fit.checkpointing:>10} {e.peak / gib:>9.2f} {e.stored_activations / gib:>12.2f}"
         )
     if len(fits) > limit:

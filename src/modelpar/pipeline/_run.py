@@ -98,11 +98,13 @@ class Pipeline:
         self, args: tuple[Any, ...], target: Any, losses: list[torch.Tensor], extra: dict[str, Any], train: bool
     ) -> None:
         collect = losses if self.has_last else None
+        # return_outputs=False: the last stage would otherwise keep every micro-batch's logits until the step ends,
+        # then concatenate them (the merged output, which nothing here uses).
         if train:
-            self._schedule.step(*args, target=target, losses=collect, **extra)
+            self._schedule.step(*args, target=target, losses=collect, return_outputs=False, **extra)
         else:
             with torch.no_grad():
-                self._schedule.eval(*args, target=target, losses=collect, **extra)
+                self._schedule.eval(*args, target=target, losses=collect, return_outputs=False, **extra)
 
     def step(
         self,

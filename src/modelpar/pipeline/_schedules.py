@@ -146,6 +146,15 @@ def check_schedule_settings(
             f" fill, and torch's schedules hang or fail on it. Use at least {stages} micro-batches (more shrink the"
             " bubble)."
         )
+    rounds = max(1, count // pipeline_parallel_size)
+    if spec.name == "Interleaved1F1B" and count % rounds:
+        fits = [m for m in range(stages, 4 * stages + 1) if m % max(1, m // pipeline_parallel_size) == 0][:6]
+        raise ValueError(
+            f"`pipeline_microbatches={count}` does not split into the rounds `'Interleaved1F1B'` runs: their number"
+            f" (micro-batches // `pipeline_parallel_size` = {count} // {pipeline_parallel_size} = {rounds}) must"
+            f" divide the micro-batches, and torch refuses it when the schedule is built. Use for example one of"
+            f" {fits}."
+        )
     return per_rank, count
 
 
