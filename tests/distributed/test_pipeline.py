@@ -316,6 +316,14 @@ def run_two(folder: str) -> dict[str, Any]:
     for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"):
         results[schedule] = _train(2, pipeline_schedule=schedule, pipeline_microbatches=4, **two)
     results["accumulate"] = _train(2, accumulate=True, pipeline_microbatches=2, **two)
+    # A hand-written cut (1 block, then 3) and activation checkpointing applied per stage by the plan.
+    results["split_by_hand"] = _train(
+        2,
+        parallelize_fn=LLAMA_PLAN.replace(activation_checkpointing="full"),
+        pipeline_split=[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]],
+        pipeline_microbatches=4,
+        **two,
+    )
     results["checkpoint"] = _checkpoint_across_sizes(
         2, folder, two, [{"data_parallel_size": 2, "tensor_parallel_size": 1}, {**two, "pipeline_schedule": "GPipe"}]
     )
@@ -459,6 +467,13 @@ def test_each_micro_batch_crosses_each_stage_boundary_once_each_way(two: list[di
         assert rank["transfers"]["1F1B"] == {"send": 4, "recv": 4, "all_reduce": 1}
         # 4 stages on 2 ranks (0, 2 | 1, 3): 3 boundaries x 4 micro-batches x 2 directions = 24 transfers, 12 each way
         assert rank["transfers"]["Interleaved1F1B"] == {"send": 12, "recv": 12, "all_reduce": 1}
+
+
+def test_a_hand_written_split_with_activation_checkpointing_trains_as_one_process(two: list[dict[str, Any]]) -> None:
+    for rank in two:
+        _check(rank["split_by_hand"])
+    assert "layers.0.attention.wq.weight" in two[0]["split_by_hand"]["names"]
+    assert "layers.1.attention.wq.weight" in two[1]["split_by_hand"]["names"]
 
 
 def test_accumulation_over_two_calls_scales_gradients_once(two: list[dict[str, Any]]) -> None:
