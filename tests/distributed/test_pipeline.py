@@ -139,7 +139,12 @@ def _train(world: int, *, accumulate: bool = False, cfg: LlamaConfig = CFG, **kw
         ref_opt.step()
         ref_opt.zero_grad()
     x, y = _batches(dp)[0]
-    rows = slice(BATCH * dp_rank, BATCH * (dp_rank + 1))
+    size = BATCH // 2 if accumulate else BATCH  # the shape of the training steps: the pipeline's buffers are sized
+    x, y = (
+        torch.cat([x[BATCH * r : BATCH * r + size] for r in range(dp)]),
+        torch.cat([y[BATCH * r : BATCH * r + size] for r in range(dp)]),
+    )
+    rows = slice(size * dp_rank, size * (dp_rank + 1))
     batch = shard_batch({"input_ids": x[rows], "labels": y[rows]}, mesh)
     evaluated = fabric.strategy.pipeline_eval(
         model, batch["input_ids"], batch["labels"], _loss, positions=batch["position_ids"]
@@ -224,6 +229,10 @@ def _refusals() -> dict[str, str]:
     x = torch.zeros(6, SEQ, dtype=torch.long)
     out = {"batch": error_text(lambda: fabric.strategy.pipeline_step(model, x, x, _loss))}
     out["direct call"] = error_text(lambda: model(x))
+    tokens = torch.zeros(8, SEQ, dtype=torch.long)
+    fabric.strategy.pipeline_step(model, tokens, tokens, _loss)
+    smaller = torch.zeros(4, SEQ, dtype=torch.long)  # a last batch without drop_last
+    out["shape"] = error_text(lambda: fabric.strategy.pipeline_step(model, smaller, smaller, _loss))
     out["no pipeline"] = error_text(lambda: fabric.strategy.pipeline_step(torch.nn.Linear(2, 2), x, x, _loss))
     y = torch.full((8, SEQ), -100)
     out["no tokens"] = error_text(lambda: fabric.strategy.pipeline_step(model, torch.zeros(8, SEQ).long(), y, _loss))
@@ -495,6 +504,9 @@ def test_bad_pipeline_input_is_refused_on_every_rank(two: list[dict[str, Any]]) 
     )
     assert "ValueError" in refusals["no tokens"] and "ignore_index=-100" in refusals["no tokens"]
     assert "PipelineSplitError" in refusals["stages"] and "only 4 blocks" in refusals["stages"]
+    assert (
+        "ValueError" in refusals["shape"] and "inputs (4, 12)" in refusals["shape"] and "(8, 12)" in refusals["shape"]
+    )
     assert "RuntimeError" in refusals["direct call"] and "strategy.pipeline_step(" in refusals["direct call"]
     assert "ValueError" in refusals["no pipeline"] and "pipeline_parallel_size > 1" in refusals["no pipeline"]
 
