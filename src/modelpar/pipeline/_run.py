@@ -145,19 +145,14 @@ class Pipeline:
                 f"No target of the global batch is counted (all equal `ignore_index={ignore_index}`), so the mean"
                 " loss is undefined. Check the labels, or pass the `ignore_index` your loss uses."
             )
-        shapes = (
-            tuple(inputs.shape),
-            tuple(targets.shape),
-            {k: tuple(v.shape) for k, v in extra.items() if isinstance(v, torch.Tensor)},
-        )
+        shapes = (tuple(inputs.shape), tuple(targets.shape))
         if self._shapes is not None and shapes != self._shapes:
             raise ValueError(
                 f"The pipeline's batch shapes are fixed by its first step (torch sizes each stage's send and receive"
-                f" buffers then), but this call has inputs {shapes[0]}, targets {shapes[1]}"
-                f"{f', keyword tensors {shapes[2]}' if shapes[2] else ''} where the first had {self._shapes[0]},"
-                f" {self._shapes[1]}{f', {self._shapes[2]}' if self._shapes[2] else ''}. Give every step (and"
-                " `pipeline_eval`) batches of one shape: `drop_last=True` in the DataLoader, and sequences padded"
-                " to one length (targets `ignore_index` where padded)."
+                f" buffers then), but this call has inputs {shapes[0]} and targets {shapes[1]} where the first had"
+                f" {self._shapes[0]} and {self._shapes[1]}. Give every step (and `pipeline_eval`) batches of one"
+                " shape: `drop_last=True` in the DataLoader, and sequences padded to one length (targets"
+                " `ignore_index` where padded)."
             )
         self._shapes = shapes
         if self._schedule is None:
