@@ -9,6 +9,7 @@ over every stage) and the weights after AdamW steps. Checkpoints written at one 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -354,7 +355,10 @@ def _hugging_face(world: int, pretrained: str, out: str) -> dict[str, float]:
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4))
-    model = fabric.setup_module(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fabric.setup_module(model)  # the root's init_weights() reaches every stage: not drawn for the others
+    warned = any("random draws were skipped" in str(w.message) for w in caught)
     load_pretrained(model, pretrained)  # each rank reads only its stage's blocks
     ref = AutoModelForCausalLM.from_pretrained(pretrained)
     ref_params = dict(ref.named_parameters())
@@ -374,6 +378,7 @@ def _hugging_face(world: int, pretrained: str, out: str) -> dict[str, float]:
         ref_opt.zero_grad()
         worst["loss"] = max(worst["loss"], abs(float(loss) - float(ref_loss)))
     worst["param"] = max((_full(p) - ref_params[n]).abs().max().item() for n, p in model.module.named_parameters())
+    worst["warned"] = float(warned)
     save_pretrained(model, out)  # every stage's tensors, in the family's own format
     if fabric.global_rank == 0:
         saved = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
@@ -553,3 +558,4 @@ def test_hugging_face_llama_loads_trains_and_saves_at_pp2_dp2(four: list[dict[st
         hf = rank["hugging_face"]
         assert hf["load"] == 0.0 and hf["loss"] < LOSS_TOL and hf["param"] < PARAM_TOL, hf
     assert four[0]["hugging_face"]["saved"] == four[0]["hugging_face"]["param"]  # the trained weights, as saved
+    assert four[0]["hugging_face"]["warned"] == 1.0  # rank 0 said that init_weights() was not drawn for other stages

@@ -223,6 +223,10 @@ def _drawn_for_nothing(modules: list[nn.Module], device: torch.device) -> Iterat
             table[name] = t
 
 
+def _own_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for _, t in own_tensors(module))
+
+
 def _initialize(
     root: nn.Module, nodes: list[_Node], absent: frozenset[int] = frozenset(), device: torch.device | None = None
 ) -> set[int]:
@@ -238,11 +242,21 @@ def _initialize(
     written: set[int] = set()
     throwaway = device if device is not None else torch.device("cpu")
 
+    # Throwaway storage for one hook at a time, at most the largest module's own tensors: a hook that reaches more of
+    # the absent modules (a root `init_weights()` over the whole model) would put the other stages on this rank, so
+    # their tensors stay on the meta device for it (its draws for them are skipped, and a warning says what that costs).
+    budget = max((_own_bytes(m) for m in root.modules()), default=0)
+    undrawn: list[str] = []
+
     def absent_below(node: _Node) -> list[nn.Module]:
         if not absent:
             return []
         below = node.module.modules() if node.reaches_others else iter((node.module,))
-        return [m for m in below if id(m) in absent]
+        found = [m for m in below if id(m) in absent]
+        if sum(_own_bytes(m) for m in found) > budget:
+            undrawn.append(node.label)
+            return []
+        return found
 
     for node in nodes:
         reset = getattr(node.module, "reset_parameters", None)
@@ -261,6 +275,13 @@ def _initialize(
         else:
             with _drawn_for_nothing(absent_below(root_node), throwaway):
                 run_hook(root, init_weights, keep=(), scratch=scratch, written=written)
+    if undrawn:
+        rank_zero_warn(
+            f"Under pipeline parallelism {', '.join(undrawn[:3])} initialize(s) modules of other stages too, which"
+            " this rank does not allocate; their random draws were skipped, so this rank's weights are a valid"
+            " initialization but not the values one process gives them. Load pretrained weights or a checkpoint"
+            " (as for a Hugging Face model), or give the modules their own `reset_parameters()`."
+        )
     if skipped:
         rank_zero_warn(
             "Meta-device initialization skipped hooks that would overwrite real tensors:\n"
