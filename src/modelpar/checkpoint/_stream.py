@@ -91,9 +91,10 @@ def load_full_model_state(module: nn.Module, full_state: Mapping[str, Any], *, s
     # Sharded DTensors / tensors sharing storage with the module, by stable name (no wrapper segments).
     targets = {clean_name(k): v for k, v in module.state_dict().items()}
     # A pipeline stage checks the whole model's keys, as every other stage does: the same verdict on every rank.
-    whole = expected_elsewhere(module) or frozenset(targets)
-    missing = [k for k in whole if k not in full_state]
-    unexpected = [k for k in full_state if k not in whole]
+    elsewhere = expected_elsewhere(module)
+    missing = [k for k in targets if k not in full_state]
+    missing += [k for k in sorted(elsewhere) if k not in targets and k not in full_state]
+    unexpected = [k for k in full_state if k not in targets and k not in elsewhere]
     if strict and (missing or unexpected):
         raise CheckpointKeyError(
             f"The state in {where} does not match the model: {len(missing)} missing (e.g. {missing[:3]}),"
