@@ -398,6 +398,55 @@ def case_self_check_mesh_that_does_not_fit_the_world() -> dict[str, Any]:
     return {"unexpected": "the strategy accepted a mesh larger than the world"}
 
 
+def case_pipeline_on_the_shared_device() -> dict[str, Any]:
+    """pp=2 (issue 28): two processes share the GPU, each holding one stage of BIG; 1F1B over 4 micro-batches.
+
+    The losses of STEPS AdamW steps against the one-process model's, then the figures the issue asks for: tokens/s
+    of the pipelined step and each stage's peak device memory (``torch.cuda.max_memory_allocated``)."""
+    import time
+
+    needs("batch_isend_irecv", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+    from modelpar.plans import LLAMA_PLAN
+
+    strategy = _strategy(_world() // 2, 1, LLAMA_PLAN, pipeline_parallel_size=2, pipeline_microbatches=4)
+    model = _sharded(strategy, BIG)
+    ref = _reference(BIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    worst = 0.0
+    g = torch.Generator().manual_seed(11)  # 16 x 64 tokens: 4 micro-batches of 4 sequences, every step alike
+    batches = [torch.randint(0, BIG.vocab_size, (2, 16, BIG.max_seq_len), generator=g) for _ in range(STEPS + 1)]
+    for x, y in batches[:STEPS]:
+        loss = strategy.pipeline_step(model, _local_batch(strategy, x), _local_batch(strategy, y), lm_loss)
+        ref_loss = lm_loss(ref(x.to(device())), y.to(device()))
+        ref_loss.backward()
+        for opt in (optimizer, ref_opt):
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, abs(float(loss) - float(ref_loss)))
+    assert worst <= 1e-4, worst
+    x, y = batches[STEPS]
+    xs, ys = _local_batch(strategy, x), _local_batch(strategy, y)
+    if on_cuda():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    steps, start = 5, time.perf_counter()
+    for _ in range(steps):
+        strategy.pipeline_step(model, xs, ys, lm_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    if on_cuda():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**20 if on_cuda() else 0.0
+    return {
+        "loss_diff": _worst_over_ranks(worst),
+        "tokens_per_s": round(steps * x.numel() / seconds),
+        "stage": strategy.device_mesh["pipeline_parallel"].get_local_rank(),
+        "peak_mib": round(peak, 1),
+    }
+
+
 CASES = {
     "gloo_cuda_collectives": case_gloo_cuda_collectives,
     "strategy_setup": case_strategy_sets_up_its_process_group_and_mesh,
@@ -411,6 +460,7 @@ CASES = {
     "async_reshard": case_async_distributed_save_reshards_on_load,
     "compile_tp": case_compile_with_tensor_parallel,
     "dtensor_offset_rng": case_dtensor_offset_rng_against_the_full_draw,
+    "pipeline": case_pipeline_on_the_shared_device,
     # the suite's own checks, last: they leave nothing behind, but a case that fails on purpose goes after the rest
     "self_check_mesh_build_raises": case_self_check_torch_error_inside_the_mesh_build,
     "self_check_mesh_does_not_fit": case_self_check_mesh_that_does_not_fit_the_world,
@@ -511,6 +561,14 @@ def test_async_distributed_saves_reshard_on_load(two: list[dict[str, Any]]) -> N
 
 def test_compile_with_tensor_parallel_matches_the_one_process_loss(two: list[dict[str, Any]]) -> None:
     check(two, "compile_tp")
+
+
+def test_pipeline_of_two_stages_on_the_shared_gpu_trains_like_one_process_and_reports_its_speed(
+    two: list[dict[str, Any]],
+) -> None:
+    """Issue 28's GPU figures: tokens/s and each stage's peak memory (rank 0's printed; every rank's in the log)."""
+    figures = check(two, "pipeline")
+    assert figures["loss_diff"] <= 1e-4 and figures["tokens_per_s"] > 0, figures
 
 
 def test_dtensor_offset_rng_blocks_are_compared_with_the_full_draw(two: list[dict[str, Any]]) -> None:

@@ -201,6 +201,16 @@ def _steps(device: torch.device, ws: int, rank: int) -> list[tuple[str, str, Cal
         dist.all_to_all_single(out, torch.arange(ws, device=device, dtype=torch.float32) + rank * ws)
         _expect(out, torch.arange(ws).float() * ws + rank)
 
+    def batch_isend_irecv() -> None:  # what torch.distributed.pipelining's schedules send stage to stage with
+        out = torch.empty(4, device=device)
+        ops = [
+            dist.P2POp(dist.isend, mine(4), (rank + 1) % ws),
+            dist.P2POp(dist.irecv, out, (rank - 1) % ws),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        _expect(out, torch.full((4,), float((rank - 1) % ws + 1)))
+
     def new_group_all_reduce() -> None:
         all_reduce(torch.float32, dist.new_group(list(range(ws))))
 
@@ -236,6 +246,7 @@ def _steps(device: torch.device, ws: int, rank: int) -> list[tuple[str, str, Cal
             lambda: reduce_scatter_tensor(torch.bfloat16),
         ),
         ("all_to_all_single", f"dist.all_to_all_single(float32 {on})", all_to_all_single),
+        ("batch_isend_irecv", f"dist.batch_isend_irecv(isend + irecv of float32 {on}, a ring)", batch_isend_irecv),
         ("new_group_all_reduce", f"dist.all_reduce(float32 {on}) on a dist.new_group", new_group_all_reduce),
         ("broadcast_object_list", "dist.broadcast_object_list([str])", broadcast_object_list),
         ("barrier", "dist.barrier()", dist.barrier),
