@@ -7,7 +7,7 @@ on every rank. Both checks read only the module, so every rank raises the same `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -17,7 +17,18 @@ from modelpar._mesh.layout import EXPERT_PARALLEL_AXIS
 if TYPE_CHECKING:
     from modelpar._mesh.layout import MeshLayout
 
-__all__ = ["check_context_parallel_applied", "check_expert_parallel_applied"]
+__all__ = ["check_context_parallel_applied", "check_expert_parallel_applied", "parallelized"]
+
+
+def parallelized(parallelize_fn: Any, result: object) -> nn.Module:
+    """What ``parallelize_fn`` returned, checked to be the module (a forgotten ``return model`` gives ``None``)."""
+    if not isinstance(result, nn.Module):
+        name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
+        raise TypeError(
+            f"`parallelize_fn` ({name}) must return the parallelized `nn.Module`, but it returned"
+            f" {type(result).__name__}. End it with `return model`."
+        )
+    return result
 
 
 def check_context_parallel_applied(module: nn.Module, layout: MeshLayout) -> None:

@@ -34,7 +34,7 @@ from modelpar._mesh.layout import (
 )
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_process_group
 from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
-from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied
+from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
 from modelpar._strategy.default_plan import default_plan
 from modelpar._strategy.options import StrategyOptions
 from modelpar._strategy.pipelined import setup_pipeline
@@ -284,14 +284,7 @@ class ParallelCore:
             setattr(module, _OFFLOADS, offload)
             return module
         if parallelize_fn is not None:
-            fn_name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
-            result = parallelize_fn(module, self.device_mesh)
-            if not isinstance(result, nn.Module):
-                raise TypeError(
-                    f"`parallelize_fn` ({fn_name}) must return the parallelized `nn.Module`, but it returned"
-                    f" {type(result).__name__}. End it with `return model`."
-                )
-            module = result  # type: ignore[assignment]
+            module = parallelized(parallelize_fn, parallelize_fn(module, self.device_mesh))  # type: ignore[assignment]
         offloading = self.check_fsdp_applied(module)
         if self.layout is not None:
             check_context_parallel_applied(module, self.layout)

@@ -28,6 +28,7 @@ from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
 from modelpar.legacy import FSDP1_ARGUMENTS, translate_fsdp1_arguments
 from modelpar.pipeline import PipelineSchedule
 from modelpar.pipeline._schedules import check_schedule_settings, schedule_spec
+from modelpar.pipeline._split import check_pipeline_split
 from modelpar.plans import ActivationCheckpointing
 from modelpar.plans._units import ModuleSelector, normalize_selector
 
@@ -102,15 +103,7 @@ class StrategyOptions:
             microbatches=self.pipeline_microbatches,
         )
         if self.pipeline_split is not None:
-            split = self.pipeline_split
-            if isinstance(split, (str, bytes)) or not all(
-                not isinstance(s, (str, bytes)) and all(isinstance(n, str) for n in s) for s in split
-            ):
-                raise TypeError(
-                    "`pipeline_split` must be one list of module names per stage, e.g. [['tok_embeddings', 'layers.0'],"
-                    f" ['layers.1', 'norm', 'output']], but got {split!r}."
-                )
-            object.__setattr__(self, "pipeline_split", tuple(tuple(s) for s in split))
+            object.__setattr__(self, "pipeline_split", check_pipeline_split(self.pipeline_split))
 
     @property
     def chooses_units(self) -> tuple[str, ...]:

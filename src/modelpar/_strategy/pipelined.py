@@ -26,7 +26,7 @@ from modelpar._init.materialize import has_meta_tensors
 from modelpar._init.placement import materialize, offloads
 from modelpar._mesh.layout import PIPELINE_PARALLEL_AXIS
 from modelpar._mesh.submeshes import token_mesh
-from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied
+from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
 from modelpar.checkpoint._names import clean_name
 from modelpar.pipeline._build import local_stages
 from modelpar.pipeline._run import PIPELINE_ATTRIBUTE, Pipeline
@@ -66,14 +66,7 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
     )
     stages: list[nn.Module] = []
     for view in local.views:
-        result = parallelize_fn(view, mesh) if parallelize_fn is not None else view
-        if not isinstance(result, nn.Module):
-            name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
-            raise TypeError(
-                f"`parallelize_fn` ({name}) must return the parallelized `nn.Module`, but it returned"
-                f" {type(result).__name__}. End it with `return model`."
-            )
-        stages.append(result)
+        stages.append(parallelized(parallelize_fn, parallelize_fn(view, mesh)) if parallelize_fn is not None else view)
     offloading: list[bool] = []
     for stage in stages:
         offloading += core.check_fsdp_applied(stage)

@@ -69,6 +69,17 @@ def save_pretrained(
         _save(module, dst, upload_to, max_shard_size, dtype, progress)
 
 
+def _config(module: Any) -> Any:
+    """The model's Hugging Face config, written beside its weights; ``TypeError`` for a model without one."""
+    config = getattr(module, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        raise TypeError(
+            f"{type(module).__name__} has no Hugging Face `config` to save beside its weights. Pass a"
+            " `PreTrainedModel` (e.g. from `AutoModelForCausalLM.from_config`)."
+        )
+    return config
+
+
 def _save_pipelined(module: Any, target: Any, max_shard_size: int | str, dtype: Any, progress: bool) -> None:
     """A pipelined model: rank 0 holds only its stages, so every rank writes its shards as a distributed checkpoint
     beside ``target`` (``<target>.stages``), and rank 0 exports that folder (:func:`export_checkpoint`, the code
@@ -78,12 +89,7 @@ def _save_pipelined(module: Any, target: Any, max_shard_size: int | str, dtype: 
     from modelpar.hf._export import export_checkpoint
 
     check_dtype_argument(dtype)
-    config = getattr(module, "config", None)
-    if not callable(getattr(config, "save_pretrained", None)):
-        raise TypeError(
-            f"{type(module).__name__} has no Hugging Face `config` to save beside its weights. Pass a"
-            " `PreTrainedModel` (e.g. from `AutoModelForCausalLM.from_config`)."
-        )
+    config = _config(module)
     staging = to_location(f"{target}.stages")
     Checkpointer().save(staging, {"model": module}, full=False)
     error: Exception | None = None
@@ -114,12 +120,7 @@ def _save(
     """:func:`save_pretrained` into the local folder ``dst``, then (rank 0) uploaded to ``upload_to`` if given."""
     max_bytes = parse_size(max_shard_size)
     check_dtype_argument(dtype)
-    config = getattr(module, "config", None)
-    if not callable(getattr(config, "save_pretrained", None)):
-        raise TypeError(
-            f"{type(module).__name__} has no Hugging Face `config` to save beside its weights. Pass a"
-            " `PreTrainedModel` (e.g. from `AutoModelForCausalLM.from_config`)."
-        )
+    config = _config(module)
     check_destination(dst, overwrite=True)
     ours = model_tensors(module)
     tensors = [ours.tensors[name] for name in ours.unique]

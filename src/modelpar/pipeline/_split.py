@@ -27,7 +27,7 @@ from torch import nn
 from modelpar._errors import PipelineSplitError
 from modelpar.plans._units import repeated_blocks
 
-__all__ = ["StageCut", "balance", "cut_model"]
+__all__ = ["StageCut", "balance", "check_pipeline_split", "cut_model"]
 
 
 @dataclass(frozen=True)
@@ -168,16 +168,23 @@ def cut_model(model: nn.Module, stages: int, pipeline_split: Sequence[Sequence[s
     return result
 
 
-def _cut_by_hand(model: nn.Module, stages: int, split: Sequence[Sequence[str]]) -> StageCut:
-    """Validate a user's ``pipeline_split``: one list of module names per stage, every parameter covered once."""
-    if isinstance(split, (str, bytes)) or not all(
-        not isinstance(s, (str, bytes)) and all(isinstance(n, str) for n in s) for s in split
+def check_pipeline_split(split: object) -> tuple[tuple[str, ...], ...]:
+    """``pipeline_split`` as a tuple of name tuples; ``TypeError`` unless it is one list of module names per stage."""
+    if (
+        isinstance(split, (str, bytes))
+        or not isinstance(split, Sequence)
+        or not all(not isinstance(s, (str, bytes)) and all(isinstance(n, str) for n in s) for s in split)
     ):
         raise TypeError(
             "`pipeline_split` must be one list of module names per stage, e.g. [['tok_embeddings', 'layers.0'],"
             f" ['layers.1', 'norm', 'output']], but got {split!r}."
         )
-    stage_names = [tuple(s) for s in split]
+    return tuple(tuple(s) for s in split)
+
+
+def _cut_by_hand(model: nn.Module, stages: int, split: Sequence[Sequence[str]]) -> StageCut:
+    """Validate a user's ``pipeline_split``: one list of module names per stage, every parameter covered once."""
+    stage_names = list(check_pipeline_split(split))
     if len(stage_names) != stages:
         raise PipelineSplitError(
             f"`pipeline_split` names {len(stage_names)} stages, but the pipeline has {stages}"
