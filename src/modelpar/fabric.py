@@ -35,6 +35,7 @@ from modelpar._strategy.lightning import register_in_every_namespace
 from modelpar._strategy.options import StrategyOptions
 from modelpar._strategy.precision import check_precision, without_autocast
 from modelpar._train.grad_sync import AccumulationMode
+from modelpar.float8 import Float8Recipe, Float8Training
 from modelpar.pipeline import PipelineSchedule
 from modelpar.plans import ActivationCheckpointing, ModuleSelector
 
@@ -142,6 +143,12 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         pipeline_stages_per_rank: stages each rank holds under a looped schedule (default 2); V schedules hold 2.
         pipeline_split: the modules of each stage by name (``[["tok_embeddings", "layers.0"], ["layers.1", "norm",
             "output"]]``); left out, the model's repeated blocks are balanced by cost over the stages.
+        float8: train the model's linear layers in float8 (torchao, the ``float8`` extra): a recipe name
+            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``modelpar.float8.Float8Training``.
+            It goes to the plan the strategy applies: the one it makes without ``parallelize_fn``, or a
+            ``ParallelPlan`` given as ``parallelize_fn`` (as ``plan.replace(float8=...)``). A function of your own
+            converts the model itself (``modelpar.float8.convert``, first); the strategy then keeps the float8
+            all-gather's scales current after every weight update either way. See docs/float8.md.
         auto_wrap_policy, activation_checkpointing_policy, sharding_strategy, state_dict_type, device_mesh,
         limit_all_gathers, use_orig_params: Lightning ``FSDPStrategy``'s arguments, so that changing the class
             is the whole migration; each becomes its FSDP2 option (a wrap policy: ``fsdp_units``;
@@ -188,6 +195,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         pipeline_microbatches: int | None = None,
         pipeline_stages_per_rank: int | None = None,
         pipeline_split: Sequence[Sequence[str]] | None = None,
+        float8: Float8Training | Float8Recipe | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | None = None,

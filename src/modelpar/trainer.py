@@ -52,6 +52,7 @@ from modelpar._train.grad_sync import AccumulationMode
 from modelpar.checkpoint._rekey import optimizer_state_to_positions
 from modelpar.checkpoint._remote import RemotePath, withdraw
 from modelpar.checkpoint._state import state_dict_options
+from modelpar.float8 import Float8Recipe, Float8Training
 from modelpar.pipeline import PipelineSchedule
 from modelpar.plans import ActivationCheckpointing, ModuleSelector
 
@@ -102,6 +103,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         pipeline_parallel_size, pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split:
             pipeline parallelism, as for the Fabric strategy: the LightningModule is cut into stages, and
             ``training_step`` (manual optimization) calls ``self.trainer.strategy.pipeline_step(...)``.
+        float8: float8 training of the linear layers, as for the Fabric strategy (docs/float8.md).
     """
 
     _framework = "pytorch"
@@ -133,6 +135,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         pipeline_microbatches: int | None = None,
         pipeline_stages_per_rank: int | None = None,
         pipeline_split: Sequence[Sequence[str]] | None = None,
+        float8: Float8Training | Float8Recipe | None = None,
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | None = None,

@@ -126,6 +126,18 @@ SURFACE: dict[str, list[str]] = {
         "balance",
         "cut_model",
     ],
+    # new with issue 29: float8 training
+    "modelpar.float8": [
+        "FLOAT8_CAPABILITY",
+        "MIN_TORCHAO",
+        "RECIPES",
+        "Float8Recipe",
+        "Float8Training",
+        "check_float8_device",
+        "convert",
+        "float8_layers",
+        "refresh_scales",
+    ],
     # new with issue 26: the estimate's own public module (``estimate_memory`` stays in ``modelpar`` too)
     "modelpar.memory": ["Fit", "MemoryEstimate", "estimate_memory", "search_layouts"],
 }

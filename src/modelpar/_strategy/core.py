@@ -36,6 +36,7 @@ from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_
 from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
 from modelpar._strategy.default_plan import default_plan
+from modelpar._strategy.float8 import keep_scales_current, with_float8
 from modelpar._strategy.options import StrategyOptions
 from modelpar._strategy.pipelined import setup_pipeline
 from modelpar._train.clip import clip_grad_norm, clip_grad_value
@@ -81,7 +82,7 @@ class ParallelCore:
             )
         self.options = options
         self.strategy_name = strategy_name
-        self.parallelize_fn = parallelize_fn
+        self.parallelize_fn = with_float8(parallelize_fn, options.float8, strategy_name)  # type: ignore[arg-type]
         #: Set by the Trainer adapter: the LightningModule overrides ``configure_model``, where Lightning users shard
         #: the model themselves. Without a ``parallelize_fn`` or unit options, the strategy then keeps Lightning's
         #: ``"auto"`` sizes and shards only a model the hook left unsharded on a mesh without tensor parallelism.
@@ -293,6 +294,7 @@ class ParallelCore:
             offloading, root_device=root_device, has_meta=has_meta_tensors(module), strategy_name=self.strategy_name
         )
         materialize(module, root_device, offload=offload)
+        keep_scales_current(module)
         self.warn_if_unsharded(module)
         setattr(module, _SET_UP_ON, mesh_key)
         setattr(module, _OFFLOADS, offload)
@@ -328,6 +330,7 @@ class ParallelCore:
             tensor_parallel_size=tp,
             expert_parallel_size=ep,
             strategy_name=self.strategy_name,
+            float8=self.options.float8,  # type: ignore[arg-type]
         )
 
     @staticmethod

@@ -16,6 +16,7 @@ from collections import Counter
 from lightning_fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from modelpar.float8._spec import Float8Training
 from modelpar.plans import ParallelPlan
 from modelpar.plans._checks import resolve_units
 from modelpar.plans._context import is_hugging_face
@@ -32,6 +33,7 @@ def default_plan(
     tensor_parallel_size: int,
     expert_parallel_size: int,
     strategy_name: str,
+    float8: Float8Training | None = None,
 ) -> ParallelPlan:
     """The plan for ``model``: FSDP2 over the strategy's data-parallel ranks (HSDP, CP and EP axes included).
 
@@ -69,11 +71,17 @@ def default_plan(
             " modules to checkpoint: `activation_checkpointing={Block}`."
         )
     checkpointing = activation_checkpointing if activation_checkpointing is not None else "none"
-    plan = ParallelPlan(fsdp_units=tuple(units), activation_checkpointing=checkpointing)  # type: ignore[arg-type]
+    plan = ParallelPlan(
+        fsdp_units=tuple(units),
+        activation_checkpointing=checkpointing,  # type: ignore[arg-type]
+        float8=float8,
+    )
     if hf and (tensor_parallel_size > 1 or expert_parallel_size > 1):
         from modelpar.hf import plan_for  # the hf extra: only a Hugging Face model gets here
 
-        plan = plan_for(model).replace(fsdp_units=plan.fsdp_units, activation_checkpointing=checkpointing)
+        plan = plan_for(model).replace(
+            fsdp_units=plan.fsdp_units, activation_checkpointing=checkpointing, float8=float8
+        )
     _report(model, units, how, strategy_name, named=fsdp_units is not None)
     return plan
 

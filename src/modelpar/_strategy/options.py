@@ -25,6 +25,7 @@ from modelpar._mesh.layout import (
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT
 from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
+from modelpar.float8._spec import Float8Recipe, Float8Training, float8_spec
 from modelpar.legacy import FSDP1_ARGUMENTS, translate_fsdp1_arguments
 from modelpar.pipeline import PipelineSchedule
 from modelpar.pipeline._schedules import check_schedule_settings, schedule_spec
@@ -65,6 +66,7 @@ class StrategyOptions:
     pipeline_microbatches: int | None = None
     pipeline_stages_per_rank: int | None = None
     pipeline_split: Sequence[Sequence[str]] | None = None
+    float8: Float8Training | Float8Recipe | None = None
     #: Derived, not an argument: the Lightning ``FSDPStrategy`` arguments given (folded into the fields above by
     #: :meth:`pick`). They say the user came from FSDP1, where the strategy shards the model itself.
     fsdp1_arguments: tuple[str, ...] = field(default=(), metadata={"derived": True})
@@ -104,6 +106,7 @@ class StrategyOptions:
         )
         if self.pipeline_split is not None:
             object.__setattr__(self, "pipeline_split", check_pipeline_split(self.pipeline_split))
+        object.__setattr__(self, "float8", float8_spec(self.float8, _NAME))
 
     @property
     def chooses_units(self) -> tuple[str, ...]:

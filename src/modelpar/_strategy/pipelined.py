@@ -27,6 +27,7 @@ from modelpar._init.placement import materialize, offloads
 from modelpar._mesh.layout import PIPELINE_PARALLEL_AXIS
 from modelpar._mesh.submeshes import token_mesh
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
+from modelpar._strategy.float8 import keep_scales_current
 from modelpar.checkpoint._names import clean_name
 from modelpar.pipeline._build import local_stages
 from modelpar.pipeline._run import PIPELINE_ATTRIBUTE, Pipeline
@@ -79,6 +80,8 @@ def setup_pipeline(core: ParallelCore, module: nn.Module, parallelize_fn: Any, r
         strategy_name=core.strategy_name,
     )
     materialize(module, root_device, offload=offload, stage_roots=stages, absent=local.absent)
+    for stage in stages:
+        keep_scales_current(stage)
     whole_keys = frozenset(clean_name(key) for key in module.state_dict(keep_vars=True))
     prune(module, local.kept)
     core.warn_if_unsharded(module)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from modelpar.float8._scales import refresh_scales
 from modelpar.pipeline._schedules import ScheduleSpec
 
 __all__ = ["PIPELINE_ATTRIBUTE", "Pipeline", "pipeline_of", "pipelined"]
@@ -99,6 +100,8 @@ class Pipeline:
         self, args: tuple[Any, ...], target: Any, losses: list[torch.Tensor], extra: dict[str, Any], train: bool
     ) -> None:
         collect = losses if self.has_last else None
+        for module in self.modules:  # before the schedule's own unshards (looped schedules all-gather ahead)
+            refresh_scales(module)
         # return_outputs=False: the last stage would otherwise keep every micro-batch's logits until the step ends,
         # then concatenate them (the merged output, which nothing here uses).
         if train:

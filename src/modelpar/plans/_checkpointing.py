@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 __all__ = ["SAVED_OPS", "checkpoint_module", "is_checkpointed"]
 
 _aten = torch.ops.aten
-#: What ``"selective"`` keeps from forward: the outputs of matrix multiplies and attention (the costly ops);
+#: What ``"selective"`` keeps from forward: the outputs of matrix multiplies (float8 ones included) and attention;
 #: everything else in the unit (norms, activations, rotary embeddings, elementwise ops) is recomputed.
 SAVED_OPS = frozenset(
     getattr(_aten, name).default
@@ -28,6 +28,7 @@ SAVED_OPS = frozenset(
         "mm",
         "addmm",
         "bmm",
+        "_scaled_mm",  # float8 layers' multiplies (modelpar.float8)
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,8 +30,11 @@ from modelpar.plans._checks import (
 )
 from modelpar.plans._context import apply_context_parallel, attention_modules, is_hugging_face
 from modelpar.plans._experts import apply_experts, drop_expert_styles, moe_modules
-from modelpar.plans._styles import STYLES, StyleSpec, apply_style
+from modelpar.plans._styles import COLUMN_STYLES, STYLES, StyleSpec, apply_style
 from modelpar.plans._units import ModuleSelector, normalize_selector, outermost
+
+if TYPE_CHECKING:  # imported lazily below: modelpar.float8 builds on this package
+    from modelpar.float8 import Float8Recipe, Float8Training
 
 __all__ = ["ActivationCheckpointing", "ParallelPlan"]
 
@@ -112,6 +115,11 @@ class ParallelPlan:
             themselves (``"model.layers.*.mlp.experts"``, as ``modelpar.hf.plan_for`` names them). Under expert
             parallelism, tensor-parallel styles on these modules give way: their experts are whole on each rank.
             See docs/moe.md.
+        float8: train the ``nn.Linear`` layers in float8 with torchao (the ``float8`` extra): a recipe name
+            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a :class:`modelpar.float8.Float8Training`
+            that also says which layers, whether FSDP2 all-gathers in float8, and whether to emulate the kernels.
+            Applied first, on the meta device (float8 -> TP -> activation checkpointing -> compile -> FSDP); the
+            LM head and layers the kernels cannot take stay in high precision. See docs/float8.md.
     """
 
     tensor_parallel: Mapping[str, StyleSpec] = field(default_factory=dict)
@@ -125,6 +133,7 @@ class ParallelPlan:
     mp_policy: MixedPrecisionPolicy | None = None
     attention: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
+    float8: Float8Training | Float8Recipe | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel, Mapping):
@@ -190,6 +199,10 @@ class ParallelPlan:
                 " style 'output'. Map the LM head to 'output' (e.g. `{'output': 'output'}`), or turn loss"
                 " parallelism off."
             )
+        if self.float8 is not None:  # imported only then: modelpar.float8 builds on this package
+            from modelpar.float8._spec import float8_spec
+
+            object.__setattr__(self, "float8", float8_spec(self.float8, "ParallelPlan"))
         # Frozen means frozen: a read-only copy, so a plan shared between runs cannot be changed under them.
         object.__setattr__(self, "tensor_parallel", MappingProxyType(dict(self.tensor_parallel)))
         object.__setattr__(self, "attention", tuple(self.attention))
@@ -236,7 +249,18 @@ class ParallelPlan:
         check_refused(styles, tensor_parallel_size)
         check_divisible(model, styles, tensor_parallel_size)
         check_layers_sharded(model, styles, units, tensor_parallel_size)
+        if self.float8 is not None:
+            from modelpar.float8._convert import float8_layers
+
+            float8_layers(
+                model, self._float8, styles=styles, tensor_parallel_size=tensor_parallel_size, experts=self.experts
+            )
         return styles, units
+
+    @property
+    def _float8(self) -> Float8Training:
+        assert self.float8 is not None and not isinstance(self.float8, str)  # made a Float8Training when built
+        return self.float8
 
     def checkpointed(self, model: nn.Module, top_units: list[str]) -> tuple[ActivationCheckpointing, list[str]]:
         """The checkpointing mode and the modules it applies to: the outermost FSDP units for a mode, else the
@@ -254,6 +278,17 @@ class ParallelPlan:
         ep_mesh = expert_parallel_mesh(device_mesh)
         cp, ep = (m.size() if m is not None else 1 for m in (cp_mesh, ep_mesh))
         styles, units = self._resolve(model, tp, cp, ep)
+        if self.float8 is not None:  # first: tensor parallelism and FSDP shard the float8 layers
+            from modelpar.float8._convert import convert
+
+            convert(
+                model,
+                self._float8,
+                device_type=device_mesh.device_type,
+                styles=styles,
+                tensor_parallel_size=tp,
+                experts=self.experts,
+            )
         # Before activation checkpointing and compile, which must trace and recompute the replaced kernel.
         apply_context_parallel(model, device_mesh, self.attention)
         if tp_mesh is not None and tp > 1:
@@ -264,6 +299,11 @@ class ParallelPlan:
                     tp_mesh,
                     sequence_parallel=self.sequence_parallel,
                     loss_parallel=self.loss_parallel,
+                    consumers=[
+                        model.get_submodule(n)
+                        for n, s in styles.items()
+                        if n.startswith(name + ".") and s in COLUMN_STYLES
+                    ],
                 )
         top = outermost(units)
         mode, checkpointed = self.checkpointed(model, top)
@@ -284,4 +324,8 @@ class ParallelPlan:
         for name in sorted(units, key=lambda n: n.count("."), reverse=True):  # bottom-up; stable within a depth
             fully_shard(model.get_submodule(name), **kwargs)
         fully_shard(model, **kwargs)
+        if self.float8 is not None:
+            from modelpar.float8._scales import refresh_scales_before_forward
+
+            refresh_scales_before_forward(model)  # after fully_shard: its hooks go before FSDP2's
         return model

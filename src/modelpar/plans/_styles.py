@@ -9,10 +9,12 @@ module on the tensor-parallel mesh. Activations are ``(batch, sequence, ...)``: 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -69,21 +71,38 @@ def sharded_dims(module: nn.Module, style: StyleSpec) -> list[tuple[str, int]]:
 
 
 def apply_style(
-    module: nn.Module, style: StyleSpec, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+    module: nn.Module,
+    style: StyleSpec,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    consumers: Sequence[nn.Module] = (),
 ) -> None:
-    """Parallelize ``module`` in place on the 1-D ``tp_mesh`` as ``style`` says (see ``ParallelPlan``)."""
+    """Parallelize ``module`` in place on the 1-D ``tp_mesh`` as ``style`` says (see ``ParallelPlan``).
+
+    A float8 layer (``modelpar.float8``) under the tensorwise recipe takes torchao's float8 variant of a named
+    column- or row-parallel style; a ``"sequence_gather"`` container whose ``consumers`` (its column-parallel
+    projections) are all such layers gathers its input in float8.
+    """
     if isinstance(style, ParallelStyle):
         parallelize_module(module, tp_mesh, style)
         return
+    from modelpar.float8._parallel import float8_input_cast, float8_style
+
+    backend = dist.get_backend(tp_mesh.get_group())
     if style == "sequence_gather":
         if sequence_parallel:
-            module.register_forward_pre_hook(partial(_gather_sequence, tp_mesh))
+            cast = float8_input_cast(list(consumers), backend)
+            module.register_forward_pre_hook(partial(_gather_sequence, tp_mesh, cast))
         return
     if style == "norm":
         if sequence_parallel:
             parallelize_module(module, tp_mesh, SequenceParallel())
         return
-    parallelize_module(module, tp_mesh, _torch_style(style, sequence_parallel, loss_parallel))
+    parallelize_module(
+        module, tp_mesh, float8_style(module, _torch_style(style, sequence_parallel, loss_parallel), backend)
+    )
     if style == "embedding" and sequence_parallel:
         module.register_forward_pre_hook(partial(_check_sequence_length, tp_mesh.size()))
     if style == "colwise_gather" or (style == "output" and not loss_parallel):
@@ -109,17 +128,25 @@ def _torch_style(name: str, sequence_parallel: bool, loss_parallel: bool) -> Par
     raise ValueError(f"unknown style {name!r}")  # unreachable: ParallelPlan validates the names
 
 
-def _gather_sequence(tp_mesh: DeviceMesh, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _gather_sequence(
+    tp_mesh: DeviceMesh,
+    cast: Callable[[DTensor], DTensor] | None,
+    module: nn.Module,
+    args: tuple[Any, ...],
+) -> tuple[Any, ...] | None:
     """All-gather the first input from its sequence shard; a replicated DTensor (backward: a reduce-scatter).
 
     The column-parallel projections inside then share one all-gather forward and one reduce-scatter of the
-    summed input gradient backward, instead of one collective each.
+    summed input gradient backward, instead of one collective each. With ``cast`` (float8 projections), the
+    shard is cast to float8 first, and the all-gather moves float8 bytes.
     """
     if not args or not isinstance(args[0], torch.Tensor):
         return None
     x = args[0]
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+    if cast is not None:
+        x = cast(x)
     return (x.redistribute(tp_mesh, [Replicate()]), *args[1:])
 
 

@@ -1,0 +1,81 @@
+"""The float8 all-gather's weight scales, computed once after each weight update, by the strategy.
+
+Under the tensorwise recipe's float8 all-gather, FSDP2 casts each weight shard to float8 before gathering it, with
+a scale that must be the whole weight's (``max(abs(w))`` over every shard). torchao computes all of them in one
+all-reduce (``precompute_float8_dynamic_scale_for_fsdp``), which its users must call after every optimizer step:
+a scale computed before the step is stale after it, and weights that grew past it saturate. Without a precomputed
+scale, each weight's all-gather reduces its own (one all-reduce per layer).
+
+Here nobody has to remember it: :func:`refresh_scales_before_forward` makes the model recompute the scales
+before a forward when any float8 weight changed since the last time (a tensor's version counter moves with every
+in-place write: the optimizer's step, a checkpoint load, a user's ``copy_``). It runs as a forward pre-hook placed
+before FSDP2's own on the root and on every FSDP unit holding float8 weights, so it precedes the all-gathers, once
+per update whoever calls the forward (Fabric, the Trainer's ``training_step``, a pipeline stage). Every rank holding
+the weights sees the same updates, so all of them take part in the all-reduce, or none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from modelpar.float8._state import plain_tensor
+
+__all__ = ["ScaleRefresh", "refresh_scales", "refresh_scales_before_forward"]
+
+_ATTRIBUTE = "_modelpar_float8_scales"
+
+
+class ScaleRefresh:
+    """Recomputes ``model``'s float8 all-gather scales when its float8 weights changed since the last time."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        # The layers, not their parameters: materialization may give a layer new parameter objects.
+        self.layers = [m for m in model.modules() if any(plain_tensor(p) is not p for p in m.parameters(recurse=False))]
+        self.versions: tuple[int, ...] | None = None
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for layer in self.layers for p in layer.parameters(recurse=False))
+
+    def __call__(self, *_: Any) -> None:
+        if self._versions() == self.versions:
+            return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # present: the weights are its own
+
+        precompute_float8_dynamic_scale_for_fsdp(self.model)
+        self.versions = self._versions()
+
+
+def refresh_scales_before_forward(model: nn.Module) -> ScaleRefresh | None:
+    """Install the refresh on ``model`` (after ``fully_shard``); ``None`` when nothing is all-gathered in float8.
+
+    Idempotent: a model that has one keeps it.
+    """
+    existing: ScaleRefresh | None = getattr(model, _ATTRIBUTE, None)
+    if existing is not None:
+        return existing
+    refresh = ScaleRefresh(model)
+    if not refresh.layers:
+        return None
+    units = [m for m in model.modules() if m is not model and isinstance(m, FSDPModule) and _holds(m, refresh)]
+    owners = [model, *units]
+    for owner in owners:
+        owner.register_forward_pre_hook(refresh, prepend=True)
+    setattr(model, _ATTRIBUTE, refresh)
+    return refresh
+
+
+def refresh_scales(model: nn.Module) -> None:
+    """Recompute ``model``'s scales now if its weights changed (for callers that run FSDP's all-gathers
+    themselves, as a pipeline schedule does); nothing for a model without float8 all-gather."""
+    refresh: ScaleRefresh | None = getattr(model, _ATTRIBUTE, None)
+    if refresh is not None:
+        refresh()
+
+
+def _holds(module: nn.Module, refresh: ScaleRefresh) -> bool:
+    layers = {id(layer) for layer in refresh.layers}
+    return any(id(m) in layers for m in module.modules())
