@@ -92,7 +92,7 @@ def float8_layers(
             if name in heads:
                 kept[name] = "the LM head"
             elif name in in_experts:
-                kept[name] = "inside an experts module"
+                kept[name] = "in a mixture-of-experts module"
             elif name.rsplit(".", 1)[-1] in _ROUTER_NAMES:
                 kept[name] = "a mixture-of-experts router"
             else:

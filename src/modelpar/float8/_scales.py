@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from modelpar.float8._state import plain_tensor
+from modelpar.float8._state import is_cast_wrapper
 
 __all__ = ["ScaleRefresh", "refresh_scales", "refresh_scales_before_forward"]
 
@@ -34,19 +34,27 @@ class ScaleRefresh:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         # The layers, not their parameters: materialization may give a layer new parameter objects.
-        self.layers = [m for m in model.modules() if any(plain_tensor(p) is not p for p in m.parameters(recurse=False))]
+        self.layers = [m for m in model.modules() if any(is_cast_wrapper(p) for p in m.parameters(recurse=False))]
+        self.count = sum(is_cast_wrapper(p) for m in self.layers for p in m.parameters(recurse=False))
         self.versions: tuple[int, ...] | None = None
+        #: How many times the scales were recomputed: once per weight update that a forward followed.
+        self.refreshes = 0
 
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for layer in self.layers for p in layer.parameters(recurse=False))
+    def _versions(self) -> tuple[int, ...] | None:
+        """The float8 weights' versions, or ``None`` inside an all-gather window (a pipeline schedule unshards
+        ahead): the layers then hold FSDP2's unsharded weights, which are not the ones to read."""
+        weights = [p for layer in self.layers for p in layer.parameters(recurse=False) if is_cast_wrapper(p)]
+        return tuple(p._version for p in weights) if len(weights) == self.count else None
 
     def __call__(self, *_: Any) -> None:
-        if self._versions() == self.versions:
+        versions = self._versions()
+        if versions is None or versions == self.versions:
             return
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # present: the weights are its own
 
         precompute_float8_dynamic_scale_for_fsdp(self.model)
         self.versions = self._versions()
+        self.refreshes += 1
 
 
 def refresh_scales_before_forward(model: nn.Module) -> ScaleRefresh | None:

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["keep_state_dicts_plain", "plain_tensor"]
+__all__ = ["is_cast_wrapper", "keep_state_dicts_plain", "plain_tensor"]
+
+
+def is_cast_wrapper(value: torch.Tensor) -> bool:
+    """Whether ``value`` (or a DTensor's local shard) is a float8 cast wrapper around a plain tensor."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    wrapped = getattr(local, "_tensor", None)
+    return type(local) is not torch.Tensor and type(local) is not nn.Parameter and isinstance(wrapped, torch.Tensor)
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -30,8 +37,8 @@ def plain_tensor(value: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(
             inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
-    wrapped = getattr(value, "_tensor", None)
-    if type(value) is not torch.Tensor and type(value) is not nn.Parameter and isinstance(wrapped, torch.Tensor):
+    if is_cast_wrapper(value):
+        wrapped: torch.Tensor = value._tensor  # type: ignore[attr-defined]
         return wrapped.detach()
     return value
 
@@ -47,7 +54,7 @@ def _plain_entries(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
 def keep_state_dicts_plain(model: nn.Module) -> None:
     """Give every layer of ``model`` whose parameters are float8 cast wrappers the post-hook (once)."""
     for module in model.modules():
-        wrapped = any(plain_tensor(p) is not p for p in module.parameters(recurse=False))
+        wrapped = any(is_cast_wrapper(p) for p in module.parameters(recurse=False))
         if wrapped and not getattr(module, "_modelpar_plain_state", False):
             module.register_state_dict_post_hook(_plain_entries)
             module._modelpar_plain_state = True  # type: ignore[assignment]
