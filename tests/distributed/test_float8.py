@@ -3,7 +3,7 @@
 One spawn of 4 processes runs the grid (torchao's emulation: the same casts and scales, high-precision multiplies):
 tensorwise at 2x2 with sequence parallelism and accumulation (FSDP2 all-gathers in float8, the scales refreshed by
 the strategy), rowwise at 2x2, tensorwise under HSDP with selective checkpointing, pp=2 x dp=2, the no-code
-strategy's ``float8`` option, rowwise with context and expert parallelism; a checkpoint written under float8
+strategy's ``float8`` option (Fabric and the Trainer), rowwise with context and expert parallelism; a checkpoint written under float8
 loaded into a model without it at another layout and back; a Hugging Face model in float8 from
 ``load_pretrained`` to ``save_pretrained``. The test process then reads the checkpoints with torchao unimportable.
 
@@ -248,6 +248,57 @@ def _hugging_face(pretrained: str, out: str) -> dict[str, float]:
     return result
 
 
+def _trainer(folder: str) -> dict[str, Any]:
+    """The Trainer, no plan (its own FSDP2 plan with `float8`): the model is the LightningModule, whose forward
+    ``training_step`` never calls, so the refresh must come from the blocks' hooks."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                self.model = Llama(CFG)
+            self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            self.seen.append((batch[0].clone(), batch[1].clone()))
+            return _loss(self.model(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    x, y = torch.cat([b[0] for b in _batches()]), torch.cat([b[1] for b in _batches()])
+    module = Module()
+    strategy = TrainerStrategy(float8=TENSORWISE, data_parallel_size=4, tensor_parallel_size=1, timeout=PG_TIMEOUT)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=STEPS,
+        default_root_dir=folder,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH // 4))
+    module.unshard()  # the root's own parameters: the Trainer never calls its forward, which would gather them
+    with torch.no_grad():
+        module.model(x[:2])  # the forward after the last update
+    module.reshard()
+    refresh = getattr(module, "_modelpar_float8_scales", None)
+    return {
+        "steps": len(module.seen),
+        "refreshes": refresh.refreshes if refresh is not None else None,
+        "scales_current": _scales_are_current(module),
+        "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in module.modules()),
+    }
+
+
 def run_grid(folder: str, pretrained: str) -> dict[str, Any]:
     return {
         "tensorwise_2x2_sequence_parallel_accumulated": _train(
@@ -287,6 +338,7 @@ def run_grid(folder: str, pretrained: str) -> dict[str, Any]:
             tensor_parallel_size=1,
         ),
         "checkpoints": _checkpoints(folder),
+        "trainer": _trainer(folder + "-trainer"),
         "hugging_face": _hugging_face(pretrained, folder + "-hf"),
     }
 
@@ -339,6 +391,14 @@ def test_the_float8_all_gathers_scales_are_refreshed_once_per_weight_update(
         # forward (accumulation, micro-batches), and none missed (the scales are the current weights').
         assert result["refreshes"] and set(result["refreshes"]) == {STEPS + 1}, result
         assert result["scales_current"] is True, result
+
+
+def test_the_trainer_keeps_the_scales_current_though_it_never_calls_the_root_forward(
+    grid: tuple[list[dict[str, Any]], str],
+) -> None:
+    for results in grid[0]:
+        result = results["trainer"]
+        assert result == {"steps": STEPS, "refreshes": STEPS + 1, "scales_current": True, "float8_layers": 14}, result
 
 
 def test_rowwise_gathers_in_high_precision_and_needs_no_scale_refresh(grid: tuple[list[dict[str, Any]], str]) -> None:
