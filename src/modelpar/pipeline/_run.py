@@ -137,7 +137,7 @@ class Pipeline:
                     f" which must be the batch's {inputs.shape[0]} samples. Expand it to (batch, ...) first."
                 )
             if isinstance(value, torch.Tensor):
-                extra[name] = value.to(self.device)
+                extra[name] = value.to(self.device).contiguous()
         counts = (targets != ignore_index).reshape(self.microbatches, -1).sum(dim=1)
         total = counts.sum().to(torch.float64)
         if self.token_group is not None:
@@ -166,8 +166,10 @@ class Pipeline:
             "scale": self.token_ranks * float(grad_scale) / total_tokens,
             "loss_fn": loss_fn,
         }
-        args = (inputs.to(self.device),) if self.has_first else ()
-        target = targets.to(self.device) if self.has_last else None
+        # Contiguous: torch 2.11's stages compare each micro-batch's strides with those of the first they saw (2.13's
+        # do not), so a view (``tokens[:, :-1]``, stride seq + 1) failed there with a PipeliningShapeError.
+        args = (inputs.to(self.device).contiguous(),) if self.has_first else ()
+        target = targets.to(self.device).contiguous() if self.has_last else None
         losses: list[torch.Tensor] = []
         # Vocab-sharded logits (a plan with loss parallelism) need torch's loss_parallel() around the loss and its
         # backward, which the schedule runs inside; it leaves plain tensors alone.
