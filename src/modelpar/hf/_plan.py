@@ -15,6 +15,7 @@ import re
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from modelpar.float8 import Float8Recipe, Float8Training
 from modelpar.hf._styles import (
     HF_REFUSED,
     HF_STYLES,
@@ -42,6 +43,7 @@ def plan_for(
     loss_parallel: bool = False,
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    float8: Float8Training | Float8Recipe | None = None,
 ) -> ParallelPlan:
     """The :class:`~modelpar.plans.ParallelPlan` of a Hugging Face ``PreTrainedModel``, from its own TP plan.
 
@@ -70,7 +72,8 @@ def plan_for(
     - FSDP units: the modules of the classes in ``model._no_split_modules`` (the decoder layers), else the
       base model's ``layers.*``; the root is sharded last;
     - ``activation_checkpointing``, ``ac_every``, ``compile``, ``loss_parallel``, ``reshard_after_forward``,
-      ``mp_policy``: as in :class:`~modelpar.plans.ParallelPlan`. ``sequence_parallel=True`` raises
+      ``mp_policy``, ``float8``: as in :class:`~modelpar.plans.ParallelPlan` (float8: the LM head, ``lm_head``,
+      stays in high precision; docs/float8.md). ``sequence_parallel=True`` raises
       ``NotImplementedError`` (see ``docs/huggingface.md``).
 
     Head counts (``num_attention_heads``, ``num_key_value_heads``) and every split dimension are checked
@@ -148,6 +151,7 @@ def plan_for(
         loss_parallel=loss_parallel,
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
+        float8=float8,
     )
 
 
