@@ -230,7 +230,9 @@ class ParallelPlan:
         ``tensor_parallel_size > 1``, a style splits a weight inside some FSDP unit (a decoder layer), since
         otherwise every layer is replicated on each tensor-parallel rank; with ``context_parallel_size > 1``,
         every attention can be put on sequence shards (the ``attention`` patterns, or a Hugging Face model); with
-        ``expert_parallel_size > 1``, the ``experts`` patterns name MoE modules whose experts (and ``top_k``) fit.
+        ``expert_parallel_size > 1``, the ``experts`` patterns name MoE modules whose experts (and ``top_k``) fit;
+        with ``float8``, the layers it selects are linear layers the float8 kernels can take (sizes per
+        tensor-parallel rank multiples of 16) and not fused experts (``NotImplementedError``).
         Errors are ``ValueError`` unless said otherwise. Works on a meta-device model with no process group,
         identically on every rank.
         """
