@@ -2,7 +2,7 @@
 
 One spawn of 4 processes runs the grid (torchao's emulation: the same casts and scales, high-precision multiplies):
 tensorwise at 2x2 with sequence parallelism and accumulation (FSDP2 all-gathers in float8, the scales refreshed by
-the strategy), rowwise at 2x2, tensorwise under HSDP with selective checkpointing, pp=2 x dp=2, the no-code
+the strategy), rowwise at 2x2, tensorwise under HSDP with selective checkpointing, tensorwise with compiled blocks, pp=2 x dp=2, the no-code
 strategy's ``float8`` option (Fabric and the Trainer), rowwise with context and expert parallelism; a checkpoint written under float8
 loaded into a model without it at another layout and back; a Hugging Face model in float8 from
 ``load_pretrained`` to ``save_pretrained``. The test process then reads the checkpoints with torchao unimportable.
@@ -19,6 +19,7 @@ import dataclasses
 import subprocess
 import sys
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -194,6 +195,18 @@ def _train(
     return out
 
 
+def _compiled() -> dict[str, Any]:
+    """``compile=True`` with tensorwise: the blocks are compiled with the scale refresh's hooks on them. The
+    aot_eager backend (Dynamo and AOTAutograd with fake tensors, no code generation) keeps it seconds."""
+    original = torch.nn.Module.compile
+
+    def aot_eager(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, backend="aot_eager", **kwargs)
+
+    with mock.patch.object(torch.nn.Module, "compile", aot_eager):
+        return _train(TENSORWISE, plan=LLAMA_PLAN.replace(compile=True), data_parallel_size=4, tensor_parallel_size=1)
+
+
 def _checkpoints(folder: str) -> dict[str, float]:
     """Float8 tensorwise at 2x2 -> a distributed checkpoint -> no float8 at 4x1 -> a full file -> rowwise at 2x2."""
     fabric = _fabric(LLAMA_PLAN.replace(float8=TENSORWISE), data_parallel_size=2, tensor_parallel_size=2)
@@ -326,6 +339,7 @@ def run_grid(folder: str, pretrained: str) -> dict[str, Any]:
             tensor_parallel_size=1,
         ),
         "tensorwise_no_code": _train(TENSORWISE, plan=None, data_parallel_size=4, tensor_parallel_size=1),
+        "tensorwise_compiled_dp4": _compiled(),
         "rowwise_cp2_dp2": _train(
             ROWWISE, context=True, data_parallel_size=2, context_parallel_size=2, tensor_parallel_size=1
         ),
@@ -362,6 +376,7 @@ TRAINED = [
     "tensorwise_hsdp_selective",
     "tensorwise_pp2_dp2",
     "tensorwise_no_code",
+    "tensorwise_compiled_dp4",
     "rowwise_cp2_dp2",
     "rowwise_ep2_dp4",
 ]

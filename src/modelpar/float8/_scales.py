@@ -16,8 +16,10 @@ the weights sees the same updates, so all of them take part in the all-reduce, o
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -47,6 +49,10 @@ class ScaleRefresh:
         return tuple(p._version for p in weights) if len(weights) == self.count else None
 
     def __call__(self, *_: Any) -> None:
+        _untraced(self)
+
+    def refresh(self) -> None:
+        """Recompute the scales if the weights changed since the last time."""
         versions = self._versions()
         if versions is None or versions == self.versions:
             return
@@ -55,6 +61,12 @@ class ScaleRefresh:
         precompute_float8_dynamic_scale_for_fsdp(self.model)
         self.versions = self._versions()
         self.refreshes += 1
+
+
+# Not traced: a compiled block (``ParallelPlan(compile=True)``) traces its hooks with it, and the refresh reads
+# tensors' versions and hands torchao's weight wrappers, whose flattening reads the precomputed scale's value, to
+# Dynamo ("Please convert all Tensors to FakeTensors"). A graph break before the block, once per call.
+_untraced = cast(Callable[[ScaleRefresh], None], torch.compiler.disable(ScaleRefresh.refresh))
 
 
 def refresh_scales_before_forward(model: nn.Module) -> ScaleRefresh | None:
