@@ -12,7 +12,13 @@ The variants train the same model on the same data with the same FSDP2 bf16 poli
 * ``torch``: the model sharded by hand with torch's public APIs, as a competent user writes it (no modelpar);
 * ``torch-partial``: the hand-written variant as it was until 2026-11-26, which binds ``checkpoint`` with
   ``functools.partial``; under ``torch.compile`` that compiles nothing (see :func:`checkpointed`). Kept to show
-  the pitfall on a GPU; not among the default variants.
+  the pitfall on a GPU; not among the default variants;
+* ``float8-<recipe>`` (``float8-tensorwise``, ``float8-rowwise``, ``float8-rowwise_with_gw_hp``): the ``modelpar``
+  variant with ``ParallelPlan(float8=<recipe>)`` (torchao's float8 training; ``bench_mfu.py --float8``). On the CPU
+  smoke check it is emulated (float8's casts and scales, high-precision multiplies): its speed means nothing there.
+
+Every step's loss comes back too (read after the timed steps, so that reading it costs no synchronization inside
+them): ``--float8`` compares float8's loss curve with bf16's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from modelpar.float8 import FLOAT8_CAPABILITY, RECIPES, Float8Training, check_float8_device
 from modelpar.models import Llama, LlamaConfig
 
 #: CUDA when there is a GPU; on a machine without one the benchmark runs on the CPU as a smoke check of its own
@@ -43,6 +50,9 @@ PEAKS_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "B2
 
 #: Marks the worker's machine-readable line on its standard output.
 RESULT_PREFIX = "BENCH_MFU_RESULT "
+
+#: ``--data phrases``: the batches are drawn from this many fixed phrases of ``PHRASE_TOKENS`` tokens each.
+PHRASES, PHRASE_TOKENS = 4096, 16
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -64,6 +74,10 @@ class RunResult:
     peak_gib: float | None = None
     compiled_graphs: int | None = None
     oom: str | None = None
+    losses: list[float] | None = None
+    float8: str | None = None
+    emulated: bool = False
+    torchao_version: str | None = None
 
 
 @dataclass
@@ -71,6 +85,7 @@ class Timing:
     setup_s: float
     warmup_s: float
     step_s: list[float]
+    losses: list[float]
 
 
 def config(args: argparse.Namespace, seq: int | None = None) -> LlamaConfig:
@@ -99,20 +114,47 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke check)"
 
 
-def plan(args: argparse.Namespace) -> Any:
-    """``LLAMA_PLAN`` with ``--ac`` and compile: what the modelpar and Lightning variants apply."""
+def plan(args: argparse.Namespace, float8: str | None = None) -> Any:
+    """``LLAMA_PLAN`` with ``--ac`` and compile: what the modelpar and Lightning variants apply; with ``float8`` (a
+    recipe) the float8 variant's, emulated where there is no GPU (the CPU smoke check)."""
     from modelpar.plans import LLAMA_PLAN
 
-    return LLAMA_PLAN.replace(activation_checkpointing=args.ac, compile=not args.no_compile)
+    spec = Float8Training(float8, emulate=DEVICE.type != "cuda") if float8 is not None else None  # type: ignore[arg-type]
+    return LLAMA_PLAN.replace(activation_checkpointing=args.ac, compile=not args.no_compile, float8=spec)
+
+
+def float8_variant(recipe: str) -> str:
+    return f"float8-{recipe}"
 
 
 def batches(cfg: LlamaConfig, args: argparse.Namespace, n: int) -> list[Batch]:
+    """``n`` batches, the same in every run: ``--data uniform`` (independent uniform tokens, as the benchmark always
+    drew them) or ``--data phrases`` (fixed phrases in random order: a loss that falls, see :func:`phrase_bank`)."""
     g = torch.Generator().manual_seed(0)
+    bank = phrase_bank(cfg.vocab_size, g) if args.data == "phrases" else None
     out = []
     for _ in range(n):
-        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(DEVICE)
+        if bank is None:
+            tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+        else:
+            picks = torch.randint(0, len(bank), (args.batch, args.seq // PHRASE_TOKENS + 2), generator=g)
+            tokens = bank[picks].flatten(1)[:, : args.seq + 1]
+        tokens = tokens.to(DEVICE)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
+
+
+def phrase_bank(vocab: int, g: torch.Generator) -> torch.Tensor:
+    """:data:`PHRASES` phrases of :data:`PHRASE_TOKENS` tokens, drawn with Zipf frequencies (``1 / rank``).
+
+    Why not uniform tokens for a loss comparison: they carry nothing to learn, so every model's loss sits at
+    ``ln(vocab)`` whatever its numerics, and two loss curves agree trivially. Here the model learns the token
+    frequencies within a few steps (the loss falls by nats), then the phrases (15 of every 16 next tokens are
+    determined), so float8's curve is compared with bf16's while both move, as ``docs/float8.md`` states its
+    tolerance. The values do not change the work: tokens/s is the same on either data.
+    """
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    return torch.multinomial(weights, PHRASES * PHRASE_TOKENS, replacement=True, generator=g).view(PHRASES, -1)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -124,20 +166,30 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(step: Callable[[torch.Tensor, torch.Tensor], None], data: list[Batch], args: argparse.Namespace) -> Timing:
-    """Seconds of the ``args.warmup`` untimed steps (compilation happens there) and of each timed step."""
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def measure(step: Step, data: list[Batch], args: argparse.Namespace) -> Timing:
+    """Seconds of the ``args.warmup`` untimed steps (compilation happens there) and of each timed step, and every
+    step's loss.
+
+    ``step`` returns its loss detached, still on the device: the values are read once, after the last step, so
+    the timed steps synchronize exactly as they did before losses were recorded (once each, at its end).
+    """
+    losses = []
     start = time.perf_counter()
     for x, y in data[: args.warmup]:
-        step(x, y)
+        losses.append(step(x, y))
     sync()
     warmup = time.perf_counter() - start
     times = []
     for x, y in data[args.warmup :]:
         start = time.perf_counter()
-        step(x, y)
+        losses.append(step(x, y))
         sync()
         times.append(time.perf_counter() - start)
-    return Timing(setup_s=0.0, warmup_s=warmup, step_s=times)
+    values = torch.stack(losses).float().cpu().tolist() if losses else []
+    return Timing(setup_s=0.0, warmup_s=warmup, step_s=times, losses=values)
 
 
 def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
@@ -155,20 +207,23 @@ def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argpars
     setup = time.perf_counter() - start
     optimizer: Any = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=1e-4, fused=_fused()))
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        fabric.backward(loss_fn(module(x), y))
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(module(x), y)
+        fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     timing = measure(step, data, args)
     timing.setup_s = setup
     return timing
 
 
-def run_modelpar(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
+def run_modelpar(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace, *, float8: str | None = None) -> Timing:
+    """modelpar's strategy with the plan; with ``float8`` (a recipe), the same plan training in float8."""
     from modelpar import ModelParallelStrategy
 
-    return run_fabric(ModelParallelStrategy(plan(args), 1, 1), cfg, data, args)
+    return run_fabric(ModelParallelStrategy(plan(args, float8), 1, 1), cfg, data, args)
 
 
 def run_lightning(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
@@ -246,10 +301,12 @@ def run_torch(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace, *, 
     setup = time.perf_counter() - start
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=_fused())
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss_fn(model(x), y).backward()
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     timing = measure(step, data, args)
     timing.setup_s = setup
@@ -265,7 +322,38 @@ RUNNERS: dict[str, Callable[[LlamaConfig, list[Batch], argparse.Namespace], Timi
     "lightning": run_lightning,
     "torch": run_torch,
     "torch-partial": partial(run_torch, as_partial=True),
+    **{float8_variant(recipe): partial(run_modelpar, float8=recipe) for recipe in RECIPES},
 }
+
+
+def float8_refusal() -> str | None:
+    """Why this machine cannot run the float8 variants, or ``None``: torchao missing, too old or broken (with the
+    install command), or a GPU without float8 kernels (as modelpar's ``check_float8_device`` decides; the reason
+    names the GPU and its compute capability).
+
+    Run by ``bench_mfu.py --check-float8`` in a process of its own, so that the parent, which starts every run,
+    never initializes CUDA itself. Without a GPU (the smoke check) the variants are emulated: no refusal.
+    """
+    from modelpar.float8._torchao import check_torchao_version, installed_torchao
+
+    version = installed_torchao()
+    try:
+        check_torchao_version(version)  # modelpar's own floor and message, naming the extra to install
+        import torchao.float8  # noqa: F401  (what the float8 variants convert with: it must import with this torch)
+    except Exception as error:  # any import-time failure of the optional package is a reason to skip, said so
+        return f"torchao {version or '(none)'}: {type(error).__name__}: {error}"
+    if DEVICE.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(DEVICE)
+    try:
+        check_float8_device("cuda", capability, emulate=False)  # modelpar decides, as a plan on this GPU would
+    except RuntimeError:
+        need = ".".join(map(str, FLOAT8_CAPABILITY))
+        return (
+            f"{device_name()} has compute capability {capability[0]}.{capability[1]}: float8 matrix multiplies need"
+            f" {need} or newer (L4, L40, H100, H200, B200)"
+        )
+    return None
 
 
 def compiled_graphs() -> int | None:
@@ -301,6 +389,11 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     name = args.variants
     result = RunResult(name, args.batch, args.seq, device_name(), torch.__version__, peak)
+    if name.startswith("float8-"):
+        from importlib import metadata
+
+        result.float8, result.emulated = name.removeprefix("float8-"), DEVICE.type != "cuda"
+        result.torchao_version = metadata.version("torchao")
     cfg = config(args)
     data = batches(cfg, args, args.warmup + args.steps)
     if DEVICE.type == "cuda":
@@ -313,7 +406,7 @@ def run_worker(args: argparse.Namespace) -> None:
         result.oom = str(err).splitlines()[0][:300]
         print(f"{name}: out of memory at batch {args.batch} x {args.seq} ({result.oom})", flush=True)
     else:
-        result.step_s = timing.step_s
+        result.step_s, result.losses = timing.step_s, timing.losses
         result.tokens_per_s = args.batch * args.seq / statistics.median(timing.step_s)
         result.setup_s, result.warmup_s = timing.setup_s, timing.warmup_s
         result.compiled_graphs = compiled_graphs()

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mfu.py [--ac none|selective|full --repeats 3 --batch 4 --seq 2048 --steps 20]
     python benchmarks/bench_mfu.py --sweep [--ac none]
+    python benchmarks/bench_mfu.py --float8 tensorwise[,rowwise] [--repeats 3]
 
 A ~1.1B-parameter Llama-style model (``modelpar.models.Llama``: dim 2048, 16 layers, 16 heads, 8 KV heads, SwiGLU
 8192, vocabulary 32000) trains in bf16 on one GPU (NCCL, 1x1 mesh) with the best single-GPU plan: activation
@@ -38,12 +39,24 @@ is sharded and materialized) and the graphs each run compiled (none under compil
 modelpar alone over batch sizes and sequence lengths (2k, 8k) and names the fastest configuration that fits;
 out-of-memory configurations are noted and skipped. Record results in ``benchmarks/RESULTS.md`` with the date, GPU
 and versions.
+
+``--float8 RECIPE[,RECIPE]`` (issue 29) puts float8 training against bf16 on the same model, plan and data:
+``modelpar`` in bf16 and ``float8-<recipe>`` (the same plan with ``float8=<recipe>``, torchao's float8 training),
+each run in its own process in rotating order as above. It trains on ``--data phrases`` (fixed phrases: a loss that
+falls, so the curves are compared while they move; uniform tokens leave every loss at ``ln(vocab)``) and reports,
+besides the table, ``[summary]`` lines: each recipe's tokens/s against bf16's with issue 29's goal (at least
+1.2x), the peak memory of both, and how far float8's loss curve is from bf16's: the largest relative difference
+of the per-step losses over the timed steps (each variant's curve: the per-step median of its runs), against
+``--loss-rtol`` (default: the 2% that ``docs/float8.md`` states). A machine that cannot run float8 (no torchao, or
+a GPU of compute capability below 8.9) gets the reason and no float8 run; without a GPU the float8 variants are
+emulated (the smoke check: their figures mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -53,13 +66,31 @@ import time
 from pathlib import Path
 
 import torch
-from _mfu_variants import RESULT_PREFIX, RUNNERS, RunResult, config, plan, run_worker
+from _mfu_variants import (
+    RESULT_PREFIX,
+    RUNNERS,
+    RunResult,
+    config,
+    float8_refusal,
+    float8_variant,
+    plan,
+    run_worker,
+)
 
+from modelpar.float8 import RECIPES
 from modelpar.models import Llama, LlamaConfig
 
 #: ``--repeats`` left out: this many rounds, a later one only if the rounds so far predict it ends within
 #: ``DEFAULT_BUDGET_S`` (``scripts/gpu-check.sh`` runs the benchmark with no arguments and must stay short).
 DEFAULT_ROUNDS, DEFAULT_BUDGET_S = 2, 90.0
+
+#: Issue 29's goal for float8 training on an H100-class GPU: at least this many times bf16's tokens/s.
+FLOAT8_GOAL = 1.2
+#: ``--loss-rtol`` left out: ``docs/float8.md``'s stated tolerance, each step's loss within 2% of bf16's.
+FLOAT8_LOSS_RTOL = 0.02
+#: ``--variants`` left out: these; with float8 variants, the one they are measured against (modelpar in bf16), which
+#: then always runs, named or not.
+DEFAULT_VARIANTS, BF16_BASELINE = "modelpar,lightning,torch", "modelpar"
 
 #: What ``estimate_memory`` counts as kept activations under each ``activation_checkpointing``.
 AC_STORES = {
@@ -81,7 +112,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", default="modelpar,lightning,torch", help=f"of: {', '.join(RUNNERS)}")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"of: {', '.join(RUNNERS)} (default: {DEFAULT_VARIANTS}; with --float8: {BF16_BASELINE} and its recipes)",
+    )
+    p.add_argument(
+        "--float8",
+        default=None,
+        metavar="RECIPES",
+        help=f"float8 against bf16: a recipe or a comma list of {', '.join(RECIPES)} (adds float8-<recipe> variants)",
+    )
+    p.add_argument(
+        "--data",
+        choices=("uniform", "phrases"),
+        default=None,
+        help="the batches: uniform tokens (default) or fixed phrases (default with float8 variants: a loss that falls)",
+    )
+    p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=FLOAT8_LOSS_RTOL,
+        help=f"float8's per-step loss tolerance, relative to bf16's (default {FLOAT8_LOSS_RTOL:g}, docs/float8.md's)",
+    )
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (all variants)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not known here")
     p.add_argument("--ac", choices=("none", "selective", "full"), default="selective", help="activation checkpointing")
@@ -101,12 +154,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-seqs", default="2048,8192", help="sequence lengths of the sweep")
     p.add_argument("--sweep-tokens", default="8192,16384,32768", help="tokens per step (batch = tokens / seq)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one run in this process
+    p.add_argument("--check-float8", action="store_true", help=argparse.SUPPRESS)  # can this machine run float8?
     args = p.parse_args(argv)
-    unknown = [v for v in args.variants.split(",") if v not in RUNNERS]
+    recipes = args.float8.split(",") if args.float8 is not None else []
+    wrong = [r for r in recipes if r not in RECIPES]
+    if wrong or (args.float8 is not None and not recipes):
+        p.error(f"--float8 {args.float8!r}: unknown {wrong}; choose from {', '.join(RECIPES)} (a comma list)")
+    if args.float8 is not None and args.sweep:
+        p.error("--sweep runs modelpar alone over sizes; --float8 compares variants at one size: use one of them")
+    #: Whether the bf16 baseline runs only because float8 variants are compared with it (not asked for by name).
+    args.baseline_added = False
+    if not args.worker:
+        variants = (args.variants or (BF16_BASELINE if recipes else DEFAULT_VARIANTS)).split(",")
+        variants = list(dict.fromkeys(variants + [float8_variant(r) for r in recipes]))
+        named = args.variants.split(",") if args.variants else []
+        if any(v.startswith("float8-") for v in variants) and BF16_BASELINE not in named:
+            variants = [BF16_BASELINE, *(v for v in variants if v != BF16_BASELINE)]  # float8 is measured against it
+            args.baseline_added = True
+        args.variants = ",".join(variants)
+    unknown = [v for v in (args.variants or "").split(",") if v not in RUNNERS]
     if unknown or not args.variants:
         p.error(f"--variants {args.variants!r}: unknown {unknown}; choose from {', '.join(RUNNERS)}")
     if args.worker and "," in args.variants:
         p.error(f"--worker runs one variant, got --variants {args.variants!r}")
+    if args.data is None:  # the parent decides and passes it on: every worker of a run gets the same data
+        args.data = "phrases" if any(v.startswith("float8-") for v in args.variants.split(",")) else "uniform"
     return args
 
 
@@ -123,11 +195,12 @@ def matmul_params(cfg: LlamaConfig) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("tok_embeddings"))
 
 
-def estimate(args: argparse.Namespace, batch: int, seq: int) -> tuple[float, str]:
+def estimate(args: argparse.Namespace, batch: int, seq: int, float8: str | None = None) -> tuple[float, str]:
     """modelpar's predicted peak (GiB) for modelpar's layout of this run, and the activation setting it assumes.
 
     Computed on the meta device (no memory, no process group): one rank, the ``"bf16-mixed"`` policy the strategy
-    derives (the hand-written variant uses the same one), AdamW, ``batch`` x ``seq`` tokens under ``--ac``.
+    derives (the hand-written variant uses the same one), AdamW, ``batch`` x ``seq`` tokens under ``--ac``; with
+    ``float8`` (a recipe) for the float8 variant's plan, so the estimate counts what it knows of float8.
     """
     from modelpar import estimate_memory
 
@@ -135,7 +208,7 @@ def estimate(args: argparse.Namespace, batch: int, seq: int) -> tuple[float, str
         model = Llama(config(args, seq))
     est = estimate_memory(
         model,
-        plan=plan(args),
+        plan=plan(args, float8),
         data_parallel_size=1,
         precision="bf16-mixed",
         optimizer="adamw",
@@ -158,7 +231,7 @@ def spawn(args: argparse.Namespace, variant: str, batch: int, seq: int) -> RunRe
     so every flag reaches it, followed by its own (``--variants``, ``--batch``, ``--seq``), which win.
     """
     cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    cmd += ["--worker", "--variants", variant, "--batch", str(batch), "--seq", str(seq)]
+    cmd += ["--worker", "--variants", variant, "--batch", str(batch), "--seq", str(seq), "--data", args.data]
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     result = None
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
@@ -192,9 +265,29 @@ def gib(value: float | None) -> str:
     return f"{value:.1f}" if value is not None else "-"
 
 
+def check_float8() -> str | None:
+    """Why this machine cannot run float8 (``_mfu_variants.float8_refusal``), asked in a process of its own: this
+    one starts every run and never initializes CUDA. Raises ``RuntimeError`` if that process fails."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--check-float8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    found = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not found:
+        raise RuntimeError(f"the float8 check failed (exit code {done.returncode}):\n{done.stdout}{done.stderr}")
+    refusal: str | None = json.loads(found[-1].removeprefix(RESULT_PREFIX))["refusal"]
+    return refusal
+
+
 def compare(args: argparse.Namespace) -> int:
     """The variants in turns, one process per run, then the table; 1 if a run failed or did not fit."""
     variants = args.variants.split(",")
+    float8 = [v for v in variants if v.startswith("float8-")]
+    refusal = check_float8() if float8 else None
+    if refusal is not None:
+        variants = [v for v in variants if v not in float8]
+        print(f"[summary] float8 not measured ({', '.join(float8)} skipped): {refusal}")
+        if variants == [BF16_BASELINE] and args.baseline_added:  # left: only the baseline float8 would have needed
+            print("[summary] nothing else to run: bench_mfu.py without --float8 measures bf16 alone")
+            return 0
     repeats, budget = rounds(args)
     runs: dict[str, list[RunResult]] = {v: [] for v in variants}
     start = time.perf_counter()
@@ -211,6 +304,8 @@ def compare(args: argparse.Namespace) -> int:
                 return 1
             runs[variant].append(result)
     report(args, runs, time.perf_counter() - start)
+    if float8 and refusal is None:
+        report_float8(args, runs)
     return 0
 
 
@@ -221,6 +316,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
     per_token = flops_per_token(cfg, n, args.seq)
     peak = first.peak_tflops * 1e12
     est, setting = estimate(args, args.batch, args.seq)
+    recipes = {r.float8 for rs in runs.values() for r in rs if r.float8 is not None}
+    float8_est = {recipe: estimate(args, args.batch, args.seq, recipe)[0] for recipe in recipes}
     tps = {v: statistics.median(r.tokens_per_s or 0.0 for r in rs) for v, rs in runs.items()}
     count = min(len(rs) for rs in runs.values())
     print(f"\n{header(args, first, n, f'batch {args.batch} x {args.seq} tokens')}")
@@ -243,7 +340,8 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
         warmup = statistics.median(r.warmup_s or 0.0 for r in results)
         print(
             f"| {variant} | {tps[variant]:.0f} | {mfu[0]:.1%} | {mfu[1]:.1%} | {ratio}"
-            f" | {min(spread):.0f}-{max(spread):.0f} | {gib(max(peaks) if peaks else None)} | {est:.1f}"
+            f" | {min(spread):.0f}-{max(spread):.0f} | {gib(max(peaks) if peaks else None)}"
+            f" | {float8_est.get(results[0].float8, est):.1f}"
             f" | {setup:.2f} | {warmup:.1f} |"
         )
     ratios = [
@@ -274,6 +372,76 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
         f" AdamW), activations for {setting} ({AC_STORES[args.ac]}); Lightning's autocast over fp32 parameters"
         f" is another layout. {sum(map(len, runs.values()))} runs in {elapsed:.0f} s."
     )
+    if args.data != "uniform":
+        print(f"data: --data {args.data} (the same batches in every run)")
+
+
+def loss_curve(results: list[RunResult], warmup: int) -> list[float]:
+    """The per-step median over ``results`` of the timed steps' losses (the warm-up steps left out)."""
+    curves = [r.losses[warmup:] for r in results if r.losses]
+    return [statistics.median(step) for step in zip(*curves, strict=True)] if curves else []
+
+
+def largest_relative_difference(curve: list[float], baseline: list[float]) -> float:
+    """max over steps of ``|curve - baseline| / |baseline|``; ``inf`` where a loss is not finite or missing."""
+    if not curve or len(curve) != len(baseline):
+        return math.inf
+    worst = 0.0
+    for got, want in zip(curve, baseline, strict=True):
+        if not (math.isfinite(got) and math.isfinite(want)) or want == 0:
+            return math.inf
+        worst = max(worst, abs(got - want) / abs(want))
+    return worst
+
+
+def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> None:
+    """The float8 comparison as ``[summary]`` lines (``gpu-check.sh``'s summary shows them, up to 200 characters
+    each): each recipe against modelpar in bf16: tokens/s and their ratio with issue 29's goal, peak memory, then
+    the loss over the timed steps and its largest relative difference from bf16's, against ``--loss-rtol``."""
+    bf16 = runs[BF16_BASELINE]
+    base_tps = statistics.median(r.tokens_per_s or 0.0 for r in bf16)
+    base_curve = loss_curve(bf16, args.warmup)
+    first = bf16[0]
+    emulated = any(r.emulated for rs in runs.values() for r in rs)
+    torchao = next((r.torchao_version for rs in runs.values() for r in rs if r.torchao_version), "?")
+    print(
+        f"\n[summary] float8 vs bf16 on {first.device}, torch {first.torch_version}, torchao {torchao}, batch"
+        f" {args.batch} x {args.seq}, AC {args.ac}, compile {'off' if args.no_compile else 'on'}, --data {args.data},"
+        f" {min(len(rs) for rs in runs.values())} run(s) each, losses over {args.steps} timed steps"
+    )
+    if emulated:
+        print("[summary] emulated (no GPU): float8's casts and scales, high-precision multiplies; speeds mean nothing")
+    noise = ""
+    if len(bf16) > 1:
+        spread = max(largest_relative_difference(loss_curve([r], args.warmup), base_curve) for r in bf16)
+        noise = f" (run to run within {spread:.2%})" if math.isfinite(spread) else ""
+    print(f"[summary]   {BF16_BASELINE} bf16: {_speed(bf16)}; loss {_ends(base_curve)}{noise}")
+    for variant, results in runs.items():
+        if not variant.startswith("float8-"):
+            continue
+        ratio = statistics.median(r.tokens_per_s or 0.0 for r in results) / base_tps if base_tps else 0.0
+        goal = "" if emulated else f" (goal at least {FLOAT8_GOAL}x: {'met' if ratio >= FLOAT8_GOAL else 'NOT met'})"
+        print(f"[summary]   {variant}: {_speed(results)}; {ratio:.3f}x bf16's tokens/s{goal}")
+        curve = loss_curve(results, args.warmup)
+        worst = largest_relative_difference(curve, base_curve)
+        verdict = f"tolerance {args.loss_rtol * 100:g}%: {'within' if worst <= args.loss_rtol else 'OUTSIDE'}"
+        if math.isfinite(worst):
+            print(f"[summary]     loss {_ends(curve)}, within {worst:.2%} of bf16's at every timed step ({verdict})")
+        else:
+            print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict})")
+
+
+def _speed(results: list[RunResult]) -> str:
+    """tokens/s (median, min-max over the runs) and the peak memory."""
+    tps = [r.tokens_per_s or 0.0 for r in results]
+    peaks = [r.peak_gib for r in results if r.peak_gib is not None]
+    spread = f"{min(tps):.0f}-{max(tps):.0f}"
+    return f"{statistics.median(tps):.0f} tokens/s ({spread}), peak {gib(max(peaks) if peaks else None)} GiB"
+
+
+def _ends(curve: list[float]) -> str:
+    """The loss at the first and the last timed step."""
+    return f"{curve[0]:.3f} -> {curve[-1]:.3f}" if curve else "not recorded"
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -336,6 +504,9 @@ def sweep(args: argparse.Namespace) -> int:
 
 def main() -> None:
     args = parse()
+    if args.check_float8:
+        print(RESULT_PREFIX + json.dumps({"refusal": float8_refusal()}), flush=True)
+        return
     if args.worker:
         run_worker(args)
         return

@@ -7,9 +7,14 @@
 # interpreter (default python3). modelpar runs from this checkout (PYTHONPATH=src), so nothing is built.
 # Missing test dependencies are installed with pip when an index is reachable; otherwise it says which.
 # GPU_CHECK_SKIP_MFU=1 leaves out the benchmark; extra arguments go to pytest (e.g. -k offload).
+# After the benchmark comes the float8 comparison (issue 29): bench_mfu.py --float8 $GPU_CHECK_FLOAT8 (default
+# tensorwise; a comma list of recipes, or 0 to leave it out), one run each of modelpar in bf16 and in float8, when
+# torchao is importable. Without torchao it says how to bring it (pip, or a wheel where there is no index) and goes
+# on: a missing optional package is no failure, and the summary reports the comparison as not run, saying why.
 # It ends with a one-screen summary (tests/gpu/gpu_summary.py), also written to $GPU_CHECK_OUT/summary.txt:
-# counts per test file, each failure's error line, each skip's reason, the probe's findings, the benchmark's
-# summary lines, the environment and the wall time. Meant to take under 5 minutes on one H100/H200.
+# counts per test file, each failure's error line, each skip's reason, the probe's findings, the benchmark's and
+# the float8 comparison's summary lines, the environment and the wall time. Meant to take under 5 minutes on one
+# H100/H200.
 set -uo pipefail
 started=$SECONDS
 cd "$(dirname "$0")/.."
@@ -72,6 +77,8 @@ pytest_seconds=$((SECONDS - pytest_started))
 grep -h "^\[gpu-suite\]" "$OUT/pytest.log" > "$OUT/figures.txt" || true
 
 bench_args=()
+float8_args=()
+rm -f "$OUT/bench_float8.txt"  # the summary must not read an earlier run's comparison
 if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ]; then
   echo "== benchmarks/bench_mfu.py ==" | tee "$OUT/bench_mfu.txt"
   bench_started=$SECONDS
@@ -79,12 +86,67 @@ if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ]; then
   bench_status=${PIPESTATUS[0]}
   [ "$bench_status" -eq 0 ] || status=1
   bench_args=(--bench-exit "$bench_status" --bench-seconds "$((SECONDS - bench_started))")
+
+  recipes=${GPU_CHECK_FLOAT8:-tensorwise}
+  if [ "$recipes" = "0" ]; then
+    float8_args=(--float8-not-run "left out (GPU_CHECK_FLOAT8=0)")
+  else
+    echo "== benchmarks/bench_mfu.py --float8 $recipes ==" | tee "$OUT/bench_float8.txt"
+    # Why torchao cannot be used here ('' when it can): not installed, older than modelpar's minimum, or broken.
+    # Only the line marked "float8-check:" counts; what torchao's import prints (kernels for other GPUs it could
+    # not load) goes to bench_float8.txt.
+    no_torchao=$("$PYTHON" - 2>>"$OUT/bench_float8.txt" <<'EOF'
+from modelpar.float8._torchao import check_torchao_version, installed_torchao
+
+
+def why_not() -> str:
+    try:  # modelpar's own check (the version floor, what to install), then the import itself
+        check_torchao_version(installed_torchao())
+        import torchao.float8  # noqa: F401
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+print(f"float8-check: {why_not()}")
+EOF
+)
+    check_status=$?
+    no_torchao=$(printf '%s\n' "$no_torchao" | sed -n 's/^float8-check: //p' | tail -n 1)
+    if [ "$check_status" -ne 0 ]; then
+      no_torchao="the torchao check failed (exit $check_status; its error is in bench_float8.txt)"
+    fi
+    if [ -n "$no_torchao" ]; then
+      py=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo 3.12)
+      {
+        echo "gpu-check: the float8 comparison is not run: $no_torchao."
+        echo "Bring torchao into $PYTHON's environment, then run gpu-check.sh again:"
+        echo "  with a package index: $PYTHON -m pip install 'torchao>=0.18' (what the extra, pip install"
+        echo "    'modelpar[float8]', installs; this script runs modelpar from the checkout)"
+        echo "  without one: on a machine with pip and an index, in this checkout (torchao's wheel needs no other package):"
+        echo "    python3 -m pip download --no-deps --only-binary=:all: --python-version $py --implementation cp \\"
+        echo "      --platform manylinux_2_28_$(uname -m) -d .whl 'torchao>=0.18'"
+        echo "    bring .whl/ to this machine, then"
+        echo "    $PYTHON -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site"
+        echo "    (gpu-check.sh keeps PYTHONPATH). See docs/gpu.md."
+      } | tee -a "$OUT/bench_float8.txt"
+      float8_args=(--float8-not-run "$no_torchao; bring it with pip install 'modelpar[float8]', or as a wheel (bench_float8.txt)")
+    else
+      float8_started=$SECONDS
+      # One run each (the benchmark above shows the spread between runs): about a minute and a half on an H200.
+      "$PYTHON" benchmarks/bench_mfu.py --float8 "$recipes" --repeats 1 2>&1 | tee -a "$OUT/bench_float8.txt"
+      float8_status=${PIPESTATUS[0]}
+      [ "$float8_status" -eq 0 ] || status=1
+      float8_args=(--float8-exit "$float8_status" --float8-seconds "$((SECONDS - float8_started))")
+    fi
+  fi
 fi
 
 echo
 if ! "$PYTHON" tests/gpu/gpu_summary.py "$OUT" --exit "$status" --pytest-exit "$pytest_status" \
-    --pytest-seconds "$pytest_seconds" ${bench_args[@]+"${bench_args[@]}"} --wall-seconds "$((SECONDS - started))"; then
+    --pytest-seconds "$pytest_seconds" ${bench_args[@]+"${bench_args[@]}"} ${float8_args[@]+"${float8_args[@]}"} \
+    --wall-seconds "$((SECONDS - started))"; then
   echo "gpu-check: the summary could not be written (above); exit $status; results in $OUT/" \
-    "(environment.txt, pytest.log, figures.txt, junit.xml, bench_mfu.txt)"
+    "(environment.txt, pytest.log, figures.txt, junit.xml, bench_mfu.txt, bench_float8.txt)"
 fi
 exit "$status"

@@ -1,14 +1,15 @@
 """The one-screen summary that ``scripts/gpu-check.sh`` ends with, and writes to ``$OUT/summary.txt``.
 
     python tests/gpu/gpu_summary.py OUT --exit N --pytest-exit N --pytest-seconds S [--bench-exit N
-        --bench-seconds S] --wall-seconds S
+        --bench-seconds S] [--float8-exit N --float8-seconds S | --float8-not-run REASON] --wall-seconds S
 
 A GPU run is rare (a task may be lent a machine for minutes), so its result has to be readable at a glance
 and pasted whole into an issue: per test file the passed/failed/skipped counts, each failure's test with its
 own error line, each skip's reason, what the probe found torch alone could run, the benchmark's summary
-lines, the environment, and the wall time. Read from the files the script wrote (``junit.xml``,
-``figures.txt``, ``bench_mfu.txt``, ``environment.txt``, ``pytest.log``); a missing or broken one is said so,
-never a reason to print nothing.
+lines, the float8 comparison's (or why it did not run: torchao missing is no failure, but must not pass
+unseen), the environment, and the wall time. Read from the files the script wrote (``junit.xml``,
+``figures.txt``, ``bench_mfu.txt``, ``bench_float8.txt``, ``environment.txt``, ``pytest.log``); a missing or
+broken one is said so, never a reason to print nothing.
 """
 
 from __future__ import annotations
@@ -201,17 +202,34 @@ def render(out: Path, args: argparse.Namespace) -> list[str]:
     else:
         lines.append(f"benchmark (benchmarks/bench_mfu.py, exit {args.bench_exit}, {args.bench_seconds:.0f} s):")
         lines += bench_lines(out / "bench_mfu.txt") or ["  (no output: read bench_mfu.txt)"]
+    lines += float8_lines(out, args)
     bench = f", benchmark {args.bench_seconds:.0f} s" if args.bench_exit is not None else ""
+    bench += f", float8 {args.float8_seconds:.0f} s" if args.float8_exit is not None else ""
     lines.append(f"wall time: {_duration(args.wall_seconds)} (pytest {args.pytest_seconds:.0f} s{bench})")
-    lines.append(
-        f"gpu-check: exit {args.exit}; results in {out}/ ({', '.join(_files(out, args.bench_exit is not None))})"
-    )
+    written = _files(out, args.bench_exit is not None, float8=args.float8_exit is not None or bool(args.float8_not_run))
+    lines.append(f"gpu-check: exit {args.exit}; results in {out}/ ({', '.join(written)})")
     return [line if len(line) <= WIDTH else line[: WIDTH - 3] + "..." for line in lines]
 
 
-def _files(out: Path, bench_ran: bool) -> list[str]:
+def float8_lines(out: Path, args: argparse.Namespace) -> list[str]:
+    """The float8 comparison (``bench_mfu.py --float8``): its ``[summary]`` lines, or why it did not run."""
+    if args.float8_exit is not None:
+        ran = f"exit {args.float8_exit}, {args.float8_seconds:.0f} s"
+        return [
+            f"float8 comparison (benchmarks/bench_mfu.py --float8, {ran}):",
+            *(bench_lines(out / "bench_float8.txt") or ["  (no output: read bench_float8.txt)"]),
+        ]
+    if args.float8_not_run:
+        return [f"float8 comparison: not run: {args.float8_not_run}"]
+    if args.bench_exit is None:
+        return ["float8 comparison: left out with the benchmark (GPU_CHECK_SKIP_MFU=1)"]
+    return ["float8 comparison: not run (gpu-check.sh gave no reason)"]
+
+
+def _files(out: Path, bench_ran: bool, *, float8: bool = False) -> list[str]:
     """The result files this run wrote (an earlier run's ``bench_mfu.txt`` is not this run's)."""
     names = ["environment.txt", "pytest.log", "figures.txt", "junit.xml", *(["bench_mfu.txt"] if bench_ran else [])]
+    names += ["bench_float8.txt"] if float8 else []
     return [name for name in names if (out / name).exists()] + ["summary.txt"]
 
 
@@ -235,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pytest-seconds", type=float, required=True)
     p.add_argument("--bench-exit", type=int, default=None, help="left out: the benchmark did not run")
     p.add_argument("--bench-seconds", type=float, default=0.0)
+    p.add_argument("--float8-exit", type=int, default=None, help="left out: the float8 comparison did not run")
+    p.add_argument("--float8-seconds", type=float, default=0.0)
+    p.add_argument("--float8-not-run", default=None, help="why the float8 comparison did not run")
     p.add_argument("--wall-seconds", type=float, required=True)
     args = p.parse_args(argv)
     text = "\n".join(render(args.out, args)) + "\n"

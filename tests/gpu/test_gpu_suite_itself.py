@@ -4,6 +4,10 @@ The GPU run of 2026-11-26 (issue 25) skipped ten tests as "gloo cannot run all_r
 modelpar's mesh build had raised: the probe went through modelpar's set-up, failed, left no record, and every
 case read the missing record as a gloo limit. These tests hold the rules that rule that out; the spawned half
 (modelpar's set-up made to raise in a rank) is in ``test_gpu_shared_device``.
+
+The float8 part (issue 29) has rules of the same kind: its cases skip, naming what is missing (torchao, or a GPU
+with float8 multiplies), before any modelpar code; the benchmark's float8 ``[summary]`` lines read issue 29's goal
+and the stated loss tolerance, and reach the summary whole; a comparison that did not run says why there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import gpu_summary
 import pytest
+import torch
 import torch_probe
 from gpu_common import SkipCase, _modelpar_root, check, needs, run_cases
 
@@ -134,7 +139,7 @@ E   OSError: [Errno 98] Address already in use</error></testcase>
 """
 
 
-def _summary(tmp_path: Path, *, junit: bool = True, bench: bool = True) -> list[str]:
+def _summary(tmp_path: Path, *, junit: bool = True, bench: bool = True, **float8: Any) -> list[str]:
     if junit:
         (tmp_path / "junit.xml").write_text(_JUNIT)
     (tmp_path / "pytest.log").write_text("== 1 failed, 1 passed in 80.1s ==\n")
@@ -153,8 +158,9 @@ def _summary(tmp_path: Path, *, junit: bool = True, bench: bool = True) -> list[
         )
     args = argparse.Namespace(
         exit=1, pytest_exit=1, pytest_seconds=85.0, bench_exit=0 if bench else None, bench_seconds=46.0,
-        wall_seconds=140.0,
+        wall_seconds=140.0, float8_exit=None, float8_seconds=0.0, float8_not_run=None,
     )  # fmt: skip
+    vars(args).update(float8)
     return gpu_summary.render(tmp_path, args)
 
 
@@ -182,3 +188,90 @@ def test_the_summary_says_what_is_missing_rather_than_nothing(tmp_path: Path) ->
     text = "\n".join(_summary(tmp_path, junit=False, bench=False))
     assert "tests: no readable junit.xml" in text and "== 1 failed, 1 passed in 80.1s ==" in text, text
     assert "benchmark: left out (GPU_CHECK_SKIP_MFU=1)" in text, text
+    assert "float8 comparison: left out with the benchmark (GPU_CHECK_SKIP_MFU=1)" in text, text
+
+
+def test_the_summary_shows_the_float8_comparisons_summary_lines(tmp_path: Path) -> None:
+    (tmp_path / "bench_float8.txt").write_text(
+        "== benchmarks/bench_mfu.py --float8 tensorwise ==\nFailed to load torchao/_C_mxfp8.so\n"
+        "| modelpar | 65900 |\n[summary] float8 vs bf16 (modelpar, the same plan and data): NVIDIA H200\n"
+        "[summary]   float8-tensorwise: 80100 tokens/s; 1.215x bf16's tokens/s (goal at least 1.2x: met)\n"
+    )
+    text = "\n".join(_summary(tmp_path, float8_exit=0, float8_seconds=70.0))
+    assert "float8 comparison (benchmarks/bench_mfu.py --float8, exit 0, 70 s):" in text, text
+    assert "  [summary]   float8-tensorwise: 80100 tokens/s; 1.215x bf16's tokens/s (goal at least 1.2x: met)" in text
+    assert "Failed to load" not in text and "| modelpar |" not in text, text
+    assert "wall time: 2 min 20 s (pytest 85 s, benchmark 46 s, float8 70 s)" in text, text
+    assert "bench_float8.txt" in text.splitlines()[-1], text
+
+
+def test_the_summary_reports_a_float8_comparison_that_did_not_run_with_its_reason(tmp_path: Path) -> None:
+    why = "torchao is not installed (float8 needs torchao >= 0.18); bring it with pip install 'modelpar[float8]'"
+    text = "\n".join(_summary(tmp_path, float8_not_run=why))
+    assert f"float8 comparison: not run: {why}" in text, text
+    assert "wall time: 2 min 20 s (pytest 85 s, benchmark 46 s)\n" in text, text  # no float8 seconds: it did not run
+
+
+def test_the_float8_benchmarks_summary_lines_read_the_goal_and_the_tolerance(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RunResult
+
+    args = bench_mfu.parse(["--float8", "tensorwise,rowwise", "--warmup", "1", "--steps", "3", "--no-compile"])
+    assert args.variants == "modelpar,float8-tensorwise,float8-rowwise" and args.data == "phrases", args
+
+    def run(variant: str, tps: float, losses: list[float], peak: float) -> RunResult:
+        float8 = variant.removeprefix("float8-") if variant.startswith("float8-") else None
+        torchao = "0.18.0" if float8 else None
+        return RunResult(
+            variant, 4, 2048, "NVIDIA H100 80GB HBM3", "2.11.0+cu130", 989.4, tps, peak_gib=peak, losses=losses,
+            float8=float8, torchao_version=torchao,
+        )  # fmt: skip
+
+    bf16 = [10.4, 9.0, 8.0, 7.0]
+    runs = {
+        "modelpar": [run("modelpar", 60000.0, bf16, 30.0), run("modelpar", 62000.0, bf16, 30.0)],
+        "float8-tensorwise": [run("float8-tensorwise", 75000.0, [10.4, 9.09, 8.0, 7.0], 27.5)] * 2,
+        "float8-rowwise": [run("float8-rowwise", 66000.0, [99.0, 9.0, 8.0, float("nan")], 28.0)] * 2,
+    }
+    bench_mfu.report_float8(args, runs)
+    printed = capsys.readouterr().out
+    lines = "\n".join(line.strip() for line in printed.splitlines())
+    assert "[summary] float8 vs bf16 on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, torchao 0.18.0, batch" in lines
+    assert "float8-tensorwise: 75000 tokens/s (75000-75000), peak 27.5 GiB; 1.230x bf16's tokens/s" in lines, lines
+    assert "(goal at least 1.2x: met)\n[summary]     loss 9.090 -> 7.000, within 1.00% of bf16's" in lines, lines
+    assert "at every timed step (tolerance 2%: within)" in lines, lines
+    # The warm-up step's 99.0 is left out; a loss that is not finite is never within the tolerance.
+    assert "float8-rowwise: 66000 tokens/s" in lines and "(goal at least 1.2x: NOT met)" in lines, lines
+    assert "loss 9.000 -> nan: a loss not finite or missing, its or bf16's (tolerance 2%: OUTSIDE)" in lines, lines
+    assert "modelpar bf16: 61000 tokens/s (60000-62000), peak 30.0 GiB; loss 9.000 -> 7.000" in lines, lines
+    (tmp_path / "bench_float8.txt").write_text(printed)
+    shown = gpu_summary.bench_lines(tmp_path / "bench_float8.txt")
+    assert len(shown) == 6 and all(
+        line.startswith("  [summary]") and len(line) <= gpu_summary.WIDTH for line in shown
+    ), shown
+
+
+def test_a_float8_case_skips_naming_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torchao, one too old, a GPU without float8 multiplies: each a skip that says so, before modelpar runs."""
+    import test_gpu_one_process as one
+
+    from modelpar.float8 import _torchao
+
+    monkeypatch.setattr(_torchao, "installed_torchao", lambda: None)  # as importlib.metadata answers without it
+    result = run_cases({"case": one.case_float8_tensorwise_trains_like_bf16})["case"]
+    assert result["ok"] is None, result
+    assert "which is not installed" in result["skip"] and "modelpar[float8]" in result["skip"], result
+    monkeypatch.setattr(_torchao, "installed_torchao", lambda: "0.17.1")
+    result = run_cases({"case": one.case_float8_tensorwise_trains_like_bf16})["case"]
+    assert result["ok"] is None and "torchao 0.17.1 is installed" in result["skip"], result
+    monkeypatch.setattr(_torchao, "installed_torchao", lambda: "0.18.0")
+    monkeypatch.setattr(one, "on_cuda", lambda: True)
+    monkeypatch.setattr(one, "device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    result = run_cases({"case": one.case_float8_rowwise_trains_like_bf16})["case"]
+    assert result["ok"] is None, result
+    assert result["skip"].startswith("NVIDIA A100-SXM4-80GB has compute capability 8.0: float8"), result
