@@ -74,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from modelpar._strategy.precision import SUPPORTED_PRECISIONS
+    from modelpar.float8 import RECIPES
     from modelpar.memory._estimate import OPTIMIZER_STATES
     from modelpar.pipeline import OFFERED_SCHEDULES
 
@@ -151,6 +152,13 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
         metavar="N",
         help="micro-batches per optimizer step: from 2 on, gradients are held beside the activations (default: 1)",
     )
+    estimate.add_argument(
+        "--float8",
+        choices=list(RECIPES),
+        metavar="RECIPE",
+        help=f"the plan's float8 ({', '.join(RECIPES)}): the linear layers modelpar.float8 converts, their weights"
+        " all-gathered in float8 (tensorwise), compiled layers' smaller activations, the casts of a layer's backward",
+    )
     estimate.add_argument("--sequence-parallel", action="store_true", help="the plan's sequence_parallel")
     estimate.add_argument("--loss-parallel", action="store_true", help="the plan's loss_parallel")
     estimate.add_argument("--search", action="store_true", help="list the layouts that fit (needs the next two)")
@@ -183,6 +191,8 @@ def _estimate(args: argparse.Namespace) -> None:
     plan = plan.replace(**options, activation_checkpointing=args.ac, ac_every=args.ac_every)
     if args.compile:
         plan = plan.replace(compile=True)
+    if args.float8 is not None:
+        plan = plan.replace(float8=args.float8)
     common = {
         "optimizer": args.optimizer,
         "precision": args.precision,

@@ -4,9 +4,9 @@
 :func:`estimate_memory` (also exported from :mod:`modelpar`) returns a :class:`MemoryEstimate`; :func:`search_layouts`
 tries every layout of a world size. Inside: the state and the peak (``_estimate``, ``_state``, ``_report``,
 ``_transients``), activations (``_activations``, compiled layers: ``_compiled``, mixtures of experts: ``_moe``),
-pipeline stages and schedules (``_pipeline``, ``_schedule``), the search (``_search``) and models on the meta device
-from a config (``_meta_models``). May import plans, models, hf, pipeline, and the lower layers (``_mesh``,
-``_train``); never the strategy.
+pipeline stages and schedules (``_pipeline``, ``_schedule``), float8 training (``_float8``), the search (``_search``)
+and models on the meta device from a config (``_meta_models``). May import plans, models, hf, pipeline, float8 (which
+layers convert: names and shapes, no torchao), and the lower layers (``_mesh``, ``_train``); never the strategy.
 """
 
 from modelpar.memory._estimate import estimate_memory

@@ -34,6 +34,9 @@ cos / sin indexed by position (``2 x 2 x b s e/2`` fp32 per layer).
 The layers a plan compiles (``ParallelPlan(compile=True)``) keep less: inductor's partitioner recomputes the
 pointwise chains (the norms' casts and normalization, SiLU, RoPE) and keeps the rest
 (:mod:`modelpar.memory._compiled`); outside the layers nothing changes.
+
+Float8 training (:mod:`modelpar.memory._float8`) keeps the same bytes in eager layers (a float8 linear layer saves its
+high-precision input, as ``nn.Linear`` does) and less in compiled ones.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import TypedDict
 
 from torch import nn
 
-from modelpar.memory._compiled import LayerTerms, compiled_terms
+from modelpar.memory._compiled import LayerTerms, compiled_terms, float8_saving
 from modelpar.memory._moe import MoEShape, moe_layer_bytes, moe_shape
 from modelpar.plans._plan import ParallelPlan
 
@@ -92,6 +95,7 @@ class ActivationSetting(TypedDict):
     checkpointing: str
     ac_every: int
     compiled: frozenset[int]
+    float8: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class ActivationEstimate:
     loss_backward: int  # the cross-entropy's gradients, at the start of backward
     layers: int = 0
     compiled_layers: int = 0  # layers counted as compiled (torch.compile, inductor's partitioner), the rest eager
+    float8_saved: int = 0  # what compiled float8 layers keep less than compiled high-precision ones
 
     @property
     def stored(self) -> int:
@@ -184,6 +189,7 @@ def activation_bytes(
     checkpointing: str = "none",
     ac_every: int = 1,
     compiled: frozenset[int] = frozenset(),
+    float8: frozenset[int] = frozenset(),
     layer_ids: Sequence[int] | None = None,
     first: bool = True,
     last: bool = True,
@@ -191,9 +197,10 @@ def activation_bytes(
     """What one rank keeps from forward for backward, by part (see the module docstring for each term).
 
     ``compiled``: indices of the layers the plan compiles, counted as inductor's partitioner keeps them
-    (:mod:`modelpar.memory._compiled`). A pipeline stage counts its own layers (``layer_ids``; ``ac_every`` counts
-    them from the stage's first, as the plan applied to the stage does), the token ids only when it is the ``first``
-    and the final norm, logits and loss only when it is the ``last``.
+    (:mod:`modelpar.memory._compiled`); those of them in ``float8`` (linear layers in float8) keep less when not
+    checkpointed (:func:`~modelpar.memory._compiled.float8_saving`). A pipeline stage counts its own layers
+    (``layer_ids``; ``ac_every`` counts them from the stage's first, as the plan applied to the stage does), the token
+    ids only when it is the ``first`` and the final norm, logits and loss only when it is the ``last``.
     """
     a, s = act_bytes, seq_len // cp
     rows = batch * s
@@ -221,14 +228,16 @@ def activation_bytes(
     eager = LayerTerms(norms=norms, mlp=mlp, mlp_selective=rows * d * a + 2 * rows * f * a)
     inductor = compiled_terms(rows=rows, stream_rows=stream_rows, d=d, f=f, h=h, g=g, e=e, a=a, qk_norm=shape.qk_norm)
     ids = list(range(shape.layers)) if layer_ids is None else sorted(layer_ids)
-    dense = kept = moe = checkpointed = recompute = 0
+    dense = kept = moe = checkpointed = recompute = float8_saved = 0
     for position, index in enumerate(ids, start=1):
         terms = inductor if index in compiled else eager
         is_moe = shape.moe is not None and index in shape.moe.layer_ids
         ffn = _moe_ffn(shape, rows, a, "none") if is_moe else terms.mlp
         ffn_selective = _moe_ffn(shape, rows, a, "selective") if is_moe else terms.mlp_selective
         if checkpointing == "none" or position % ac_every:
-            dense += terms.norms + attention + (0 if is_moe else ffn)
+            saved = float8_saving(rows=rows, d=d, f=f, a=a, moe=is_moe) if index in compiled & float8 else 0
+            float8_saved += saved
+            dense += terms.norms + attention + (0 if is_moe else ffn) - saved
             moe += ffn if is_moe else 0
             continue
         checkpointed += 1
@@ -265,6 +274,7 @@ def activation_bytes(
         loss_backward=2 * rows * vocab * _FP32 * last,
         layers=len(ids),
         compiled_layers=len(compiled & set(ids)),
+        float8_saved=float8_saved,
     )
 
 

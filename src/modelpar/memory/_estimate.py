@@ -29,6 +29,7 @@ from modelpar._mesh.layout import MeshLayout, check_size_arg
 from modelpar._strategy.precision import SUPPORTED_PRECISIONS
 from modelpar._train.fsdp import FSDPOptions
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
+from modelpar.float8._spec import Float8Recipe, Float8Training
 from modelpar.memory._activations import (
     ActivationSetting,
     DecoderShape,
@@ -38,6 +39,7 @@ from modelpar.memory._activations import (
     setting_label,
 )
 from modelpar.memory._compiled import compiled_layers
+from modelpar.memory._float8 import choose_layers, float8_decoder_layers, float8_report, unit_casts, with_float8
 from modelpar.memory._meta_models import hf_on_meta, llama_on_meta
 from modelpar.memory._moe import all_to_all_bytes, expert_units, moe_notes, refuse_hugging_face_experts
 from modelpar.memory._pipeline import check_pipeline, estimate_stages
@@ -82,6 +84,7 @@ def estimate_memory(
     pipeline_microbatches: int | None = None,
     pipeline_stages_per_rank: int | None = None,
     pipeline_split: Sequence[Sequence[str]] | None = None,
+    float8: Float8Training | Float8Recipe | None = None,
 ) -> MemoryEstimate:
     """Bytes per rank that ``plan`` on this layout needs for ``model``'s state, computed without running anything.
 
@@ -130,6 +133,13 @@ def estimate_memory(
     (:mod:`modelpar.memory._pipeline`, :mod:`modelpar.memory._schedule`). ``MemoryEstimate.pipeline`` has every
     rank's figures.
 
+    ``float8`` (a recipe name or a :class:`~modelpar.float8.Float8Training`; the strategy's option, handed to the plan
+    as the strategy does: it must agree with the plan's own ``float8``) converts the layers
+    :func:`modelpar.float8.float8_layers` chooses, as the plan does: their weights all-gathered in float8 under the
+    float8 all-gather, fewer activations in compiled layers, and the float8 casts of a layer's backward as a moment of
+    their own (:mod:`modelpar.memory._float8`; ``MemoryEstimate.float8``). Master weights, gradients and optimizer
+    states stay in high precision.
+
     Raises ``TypeError`` for a ``plan`` that is not a ``ParallelPlan``, and what ``plan.check`` raises when the
     plan does not fit the model at this tensor-parallel size.
     """
@@ -141,6 +151,7 @@ def estimate_memory(
             " `parallelize_fn` is code: what it shards is known only by running it on a process group. Describe the"
             " parallelization as a ParallelPlan (tensor_parallel styles and fsdp_units) and pass that."
         )
+    plan = with_float8(plan, float8)
     cp = check_sequence(seq_len, micro_batch_size, context_parallel_size, tensor_parallel_size, plan)
     pipeline = check_pipeline(
         pipeline_parallel_size,
@@ -188,6 +199,7 @@ def estimate_memory(
     policy = plan.mp_policy if plan.mp_policy is not None else options.mp_policy
     refuse_hugging_face_experts(model, plan.experts, layout.expert_parallel_size)
     plan.check(model, tp, cp, layout.expert_parallel_size)
+    choice = choose_layers(model, plan, tp, layout.expert_parallel_size)
     experts = expert_units(model, plan.experts, layout.expert_parallel_size)
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
     if experts:  # as the plan applies them: under expert parallelism, experts are not tensor-parallel
@@ -197,13 +209,15 @@ def estimate_memory(
     plan = _checkpointing_as_mode(model, plan, units, notes)
 
     true_dtype = _TRUE_DTYPES.get(precision)
-    rules = StateRules(model, layout, styles, experts, units, policy, true_dtype, states)
+    float8_weights = choice.gathered_weights if choice is not None else frozenset()
+    rules = StateRules(model, layout, styles, experts, units, policy, true_dtype, states, float8_weights)
     resharding = (
         plan.reshard_after_forward if plan.reshard_after_forward is not None else reshard_after_forward
     ) is not False
     whole = count_state(rules, model.named_parameters(), notes)  # deduplicated: a tied parameter appears once
     decoder: DecoderShape | None = None
     activation_args: ActivationSetting | None = None
+    casts: dict[str, int] = {}
     if seq_len is not None:
         decoder = decoder_shape(model)
         compiled, why_eager = compiled_layers(model, units, plan, moe=decoder.moe is not None)
@@ -217,7 +231,11 @@ def estimate_memory(
             checkpointing=str(plan.activation_checkpointing),  # a mode: _checkpointing_as_mode
             ac_every=plan.ac_every,
             compiled=compiled,
+            float8=float8_decoder_layers(model, choice) if choice is not None else frozenset(),
         )
+        if choice is not None:
+            rows = micro_batch_size // (pipeline.microbatches if pipeline is not None else 1) * seq_len // cp
+            casts = unit_casts(model, choice, units=units, styles=styles, tp=tp, tokens=rows, compiled=compiled)
     unsharded = gradient_accumulation == "unsharded"
 
     def buffer_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -250,6 +268,7 @@ def estimate_memory(
             activation_args=activation_args,
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
+            float8_casts=casts,
         )
         count, buffers, activations = staged.count, staged.buffers, staged.activations
         moment_name, moment, root, largest = staged.moment_name, staged.moment, staged.root, staged.largest_unit
@@ -273,6 +292,8 @@ def estimate_memory(
             resharding=resharding,
             accumulate=unsharded,
             unit_extras=extras,
+            unit_gradients=count.unit_gradients,
+            float8_casts=casts,
         )
         root = count.gathered.get(ROOT, 0) if resharding else sum(count.gathered.values())
         largest = max(count.gathered, key=lambda u: count.gathered[u]) if count.gathered else ROOT
@@ -284,7 +305,7 @@ def estimate_memory(
         gradients=grads,
         optimizer_states=count.optimizer,
         gathered_unit=unit_bytes,
-        unit_gradients=unit_bytes if not unsharded else 0,
+        unit_gradients=count.unit_gradients.get(largest, 0) if not unsharded else 0,
         buffers=buffers,
         host=host_bytes(count),
         largest_unit=largest,
@@ -302,6 +323,7 @@ def estimate_memory(
         setting=setting_label(plan, seq_len, batch, cp, tp, dtype_name(compute_dtype)),
         accumulate_grad_batches=accumulate_grad_batches,
         pipeline=staged.pipeline if pipeline is not None else None,
+        float8=float8_report(choice, count, activations, casts, largest),
     )
 
 

@@ -110,12 +110,14 @@ def estimate_stages(
     activation_args: ActivationSetting | None,
     micro_batch_size: int,
     seq_len: int | None,
+    float8_casts: dict[str, int],
 ) -> Staged:
     """Count every pipeline rank's stages and return the worst rank (the highest peak).
 
     ``buffer_bytes(tensors)`` sizes buffers in their stored dtype; ``persistent(count, buffers)`` is a rank's
     persistent device bytes (parameters, optimizer states, buffers, and the gradients when they persist), which
     together with the moment :func:`~modelpar.memory._schedule.rank_peak` finds makes the rank's peak.
+    ``float8_casts``: per FSDP unit, the float8 casts of its worst layer's backward (:mod:`modelpar.memory._float8`).
     """
     pp, per_rank, m = settings.size, settings.per_rank, settings.microbatches
     cut = cut_model(model, pp * per_rank, settings.split)
@@ -143,6 +145,7 @@ def estimate_stages(
             micro=micro,
             seq_len=seq_len,
             experts=set(rules.experts.values()),
+            float8_casts=float8_casts,
         )
     usages: list[RankUsage] = []
     totals: list[int] = []
@@ -172,9 +175,12 @@ def estimate_stages(
     worst = max(range(pp), key=lambda r: totals[r])
     usage = usages[worst]
     count = _merge([counts[s] for s in usage.stages])
-    gathered = {f"stage {s} {unit}": size for s in usage.stages for unit, size in counts[s].gathered.items()}
+    gathered = _by_stage(counts, usage.stages, "gathered")
     largest = max(gathered, key=lambda u: gathered[u]) if gathered else ROOT
     count.gathered = gathered
+    count.unit_gradients = _by_stage(counts, usage.stages, "unit_gradients")
+    count.received = _by_stage(counts, usage.stages, "received")
+    count.received_without_float8 = _by_stage(counts, usage.stages, "received_without_float8")
     own = [terms[s][1] for s in usage.stages]
     activations = None
     if all(a is not None for a in own) and own:
@@ -184,6 +190,7 @@ def estimate_stages(
             loss_backward=max(a.loss_backward for a in own if a is not None),
             layers=sum(a.layers for a in own if a is not None),
             compiled_layers=sum(a.compiled_layers for a in own if a is not None),
+            float8_saved=sum(a.float8_saved for a in own if a is not None),
         )
     pipeline = PipelineEstimate(
         size=pp,
@@ -221,6 +228,7 @@ def _stage_terms(
     micro: int,
     seq_len: int | None,
     experts: set[str],
+    float8_casts: dict[str, int],
 ) -> tuple[StageTerms, ActivationEstimate | None]:
     """One stage's :class:`StageTerms`, and its activations of one micro-batch."""
     acts, per_batch = None, 0
@@ -237,7 +245,16 @@ def _stage_terms(
             extras = {unit: (("all-to-all send + receive", a2a),) for unit in experts}
     no_reduce = dict.fromkeys(count.gathered, 0)  # no reduce-scatter in a micro-batch's backward under the pipeline
     moments = [
-        worst_moment(count.gathered, no_reduce, acts, resharding=cold, accumulate=False, unit_extras=extras)
+        worst_moment(
+            count.gathered,
+            no_reduce,
+            acts,
+            resharding=cold,
+            accumulate=False,
+            unit_extras=extras,
+            unit_gradients=count.unit_gradients,
+            float8_casts={unit: size for unit, size in float8_casts.items() if unit in count.gathered},
+        )
         for cold in (resharding, False)
     ]
     term = StageTerms(
@@ -284,6 +301,11 @@ def _stage_layers(model: nn.Module, cut: StageCut) -> list[list[int]]:
                 layers[stage].append(index)
                 break
     return layers
+
+
+def _by_stage(counts: dict[int, StateCount], stages: Sequence[int], attribute: str) -> dict[str, int]:
+    """A per-unit figure of several stages, keyed by stage and unit."""
+    return {f"stage {s} {unit}": size for s in stages for unit, size in getattr(counts[s], attribute).items()}
 
 
 def _merge(counts: list[StateCount]) -> StateCount:

@@ -9,6 +9,7 @@ import torch
 from modelpar._mesh.layout import MeshLayout
 from modelpar._train.grad_sync import AccumulationMode
 from modelpar.memory._activations import ActivationEstimate
+from modelpar.memory._float8 import Float8Estimate
 from modelpar.memory._schedule import PipelineEstimate
 
 __all__ = ["MemoryEstimate", "dtype_name"]
@@ -28,6 +29,9 @@ class MemoryEstimate:
     Under pipeline parallelism (``pipeline``) every figure is the worst pipeline rank's (its stages only), and the
     peak is that rank's worst moment of the schedule: ``pipeline.worst_rank`` has its parts beyond the persistent
     state, ``pipeline.ranks`` every rank's.
+
+    Under float8 training the figures count its bytes (weights gathered in float8, compiled layers' activations, the
+    casts of a layer's backward), and ``float8`` says what it changed (:mod:`modelpar.memory._float8`).
     """
 
     parameters: int
@@ -52,6 +56,7 @@ class MemoryEstimate:
     setting: str = ""
     accumulate_grad_batches: int = 1
     pipeline: PipelineEstimate | None = None
+    float8: Float8Estimate | None = None
 
     @property
     def total(self) -> int:
@@ -122,11 +127,12 @@ class MemoryEstimate:
         replicas = f", {layout.data_parallel_replicate_size} replicas" if layout.hsdp else ""
         grads = "unsharded (accumulation)" if self.gradient_accumulation == "unsharded" else "sharded"
         p, c = dtype_name(self.param_dtype), dtype_name(self.compute_dtype)
+        float8_weights = " + float8 weights" if self.float8 is not None and self.float8.largest_unit_in_float8 else ""
         rows = [
             ("parameters", f"{p}, {shard}-way FSDP x {layout.tensor_parallel_size}-way TP", self.parameters, offload),
             ("gradients", f"{p}, {grads}", self.gradients, offload and self.gradient_accumulation == "sharded"),
             ("optimizer states", f"{self.optimizer}", self.optimizer_states, offload),
-            ("gathered unit", f"{self.largest_unit}, {c}", self.gathered_unit, False),
+            ("gathered unit", f"{self.largest_unit}, {c}{float8_weights}", self.gathered_unit, False),
             ("unit gradients", "during its backward", self.unit_gradients, False),
             ("buffers", "replicated", self.buffers, False),
         ]
@@ -142,6 +148,8 @@ class MemoryEstimate:
             head += f"\nexperts: {layout.expert_parallel_size}-way expert parallel (whole experts), " + (
                 f"FSDP over the {group} ranks holding the same ones" if group > 1 else "no FSDP (one rank holds each)"
             )
+        if self.float8 is not None:
+            head += "\n" + _float8_lines(self.float8)
         lines = [head, f"{'':<18}{'':<34}{'device':>12}" + (f"{'host':>12}" if offload else "")]
         for name, what, size, on_host in rows:
             cells = ("", _human(size)) if on_host else (_human(size), "")
@@ -205,6 +213,32 @@ class MemoryEstimate:
         lines = ["", f"Peak per rank (device): pipeline rank {usage.rank}, {usage.moment}"]
         lines += [name if size is None else f"{name:<34}{what:<42}{_human(size):>12}" for name, what, size in rows]
         return [*lines, f"peaks per pipeline rank: {others}"]
+
+
+def _float8_lines(float8: Float8Estimate) -> str:
+    """What float8 changes, in the table's head: the layers, the all-gathers, activations and casts."""
+    reasons: dict[str, list[str]] = {}
+    for name, why in float8.kept:
+        reasons.setdefault(why, []).append(name)
+    kept = "; ".join(
+        f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({why})" for why, names in reasons.items()
+    )
+    emulated = ", emulated" if float8.emulate else ""
+    lines = [
+        f"float8: {float8.recipe}{emulated}, {float8.converted} linear layers"
+        + (f"; kept in high precision: {kept}" if kept else ""),
+        f"  all-gathering every unit once: {_human(float8.all_gather)} received per rank"
+        + (
+            f" ({_human(float8.all_gather_without_float8)} without float8 all-gather)"
+            if float8.gathers_in_float8
+            else " (weights in high precision: float8 all-gather is tensorwise only)"
+        ),
+    ]
+    if float8.activations_saved:
+        lines.append(f"  compiled float8 layers keep {_human(float8.activations_saved)} fewer activations")
+    if float8.casts:
+        lines.append(f"  float8 casts in one layer's backward: up to {_human(float8.casts)}")
+    return "\n".join(lines)
 
 
 def _pipeline_head(pipeline: PipelineEstimate) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 
 from modelpar._errors import PipelineSplitError
 from modelpar.memory._estimate import MemoryEstimate, estimate_memory
+from modelpar.memory._float8 import with_float8
 from modelpar.memory._pipeline import check_pipeline
 from modelpar.pipeline._split import cut_model
 from modelpar.plans._experts import experts_name, moe_modules
@@ -134,10 +135,12 @@ def search_layouts(
     divide ``seq_len``; replicas divide the data-parallel size; ``pp x dp x cp x tp = world_size``; expert-parallel
     sizes (plans with ``experts``, ``cp = 1``) divide the ranks sharding each replica and the experts; pipeline sizes
     (with ``pipeline_schedule`` ...) as the module docstring says. ``kwargs`` go to :func:`~modelpar.estimate_memory`
-    (``precision``, ``optimizer`` ...).
+    (``precision``, ``optimizer``, ``float8`` ...; ``float8`` joins the plan first, so that a tensor-parallel size
+    whose layers the float8 kernels cannot take is skipped like one the plan cannot split).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size {world_size!r} must be a positive int (the number of GPUs).")
+    plan = with_float8(plan, kwargs.pop("float8", None))
     plan.check(model, 1)  # a plan that does not match the model fails here, not silently for every size
     pipeline = {
         "pipeline_schedule": pipeline_schedule,
@@ -195,6 +198,9 @@ def format_fits(fits: list[Fit], tried: int, *, world_size: int, gpu_memory: int
     layout fits (without one, the column would read 1 throughout)."""
     gib = 2**30
     head = f"Layouts of {world_size} ranks whose estimated peak fits {gpu_memory / gib:.2f} GiB per rank"
+    float8 = next((fit.estimate.float8 for fit in fits if fit.estimate.float8 is not None), None)
+    if float8 is not None:
+        head += f" in float8 ({float8.recipe})"
     if not fits:
         return (
             f"{head}: none of the {tried} tried fits. Add ranks, shorten --seq-len or --micro-batch, or use"

@@ -30,6 +30,7 @@ __all__ = ["StateCount", "StateRules", "count_state", "unit_of"]
 _COLUMN_NAMES = ("colwise", "colwise_gather", "output")
 _ROW_NAMES = ("rowwise", "embedding")
 _REPLICATING = (SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
+_FLOAT8 = 1  # bytes of a float8 element (torch.float8_e4m3fn)
 
 
 @dataclass(frozen=True)
@@ -44,17 +45,23 @@ class StateRules:
     policy: MixedPrecisionPolicy
     true_dtype: torch.dtype | None  # "bf16-true" / "16-true": parameters stored in that dtype
     states: int  # parameter-shaped optimizer states per parameter
+    float8_weights: frozenset[str] = frozenset()  # parameters FSDP2 all-gathers in float8 (modelpar.memory._float8)
 
 
 @dataclass
 class StateCount:
-    """Bytes of some parameters on one rank (sharded, unsharded gradients) and per FSDP unit (gathered, reduce)."""
+    """Bytes of some parameters on one rank (sharded, unsharded gradients) and per FSDP unit: gathered, its unsharded
+    gradients in the compute dtype (what ``gathered`` is but for weights gathered in float8), the reduce-scatter input,
+    and what one all-gather of the unit brings from the other ranks (and would bring without float8)."""
 
     sharded: int = 0
     optimizer: int = 0
     unsharded_grads: int = 0
     gathered: dict[str, int] = field(default_factory=dict)
+    unit_gradients: dict[str, int] = field(default_factory=dict)
     reduce_buffer: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+    received_without_float8: dict[str, int] = field(default_factory=dict)
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
 
@@ -64,7 +71,8 @@ def count_state(rules: StateRules, parameters: Iterable[tuple[str, nn.Parameter]
 
     The tensor-parallel style of a parameter's module splits a dim, then FSDP shards dim 0 of what is left over the
     shard group in padded chunks (or, for fused experts with fewer rows than ranks, evenly on a later dim), exactly as
-    ``fully_shard`` allocates them; the unit that holds the module all-gathers it in the compute dtype.
+    ``fully_shard`` allocates them; the unit that holds the module all-gathers it in the compute dtype, or in float8
+    (one byte an element, the padding included) for ``rules.float8_weights``.
     """
     layout, policy, true_dtype = rules.layout, rules.policy, rules.true_dtype
     tp, shard = layout.tensor_parallel_size, layout.fsdp_shard_size
@@ -92,9 +100,17 @@ def count_state(rules: StateRules, parameters: Iterable[tuple[str, nn.Parameter]
         count.optimizer += rules.states * per_rank * storage.itemsize
         count.unsharded_grads += rows * rest * reduce.itemsize
         unit = unit or unit_of(module_name, rules.units)
-        count.gathered[unit] = count.gathered.get(unit, 0) + per_rank * group * compute.itemsize
-        count.reduce_buffer[unit] = count.reduce_buffer.get(unit, 0) + per_rank * group * reduce.itemsize
+        gathered = _FLOAT8 if name in rules.float8_weights else compute.itemsize
+        _add(count.gathered, unit, per_rank * group * gathered)
+        _add(count.unit_gradients, unit, per_rank * group * compute.itemsize)
+        _add(count.reduce_buffer, unit, per_rank * group * reduce.itemsize)
+        _add(count.received, unit, per_rank * (group - 1) * gathered)
+        _add(count.received_without_float8, unit, per_rank * (group - 1) * compute.itemsize)
     return count
+
+
+def _add(sizes: dict[str, int], unit: str, size: int) -> None:
+    sizes[unit] = sizes.get(unit, 0) + size
 
 
 def _tp_dim(module: nn.Module, local_name: str, style: StyleSpec, notes: set[str], module_name: str) -> int | None:

@@ -35,24 +35,33 @@ def worst_moment(
     resharding: bool,
     accumulate: bool,
     unit_extras: dict[str, tuple[tuple[str, int], ...]] | None = None,
+    unit_gradients: dict[str, int] | None = None,
+    float8_casts: dict[str, int] | None = None,
 ) -> tuple[str, tuple[tuple[str, int], ...]]:
     """The largest single extra of backward: the loss's gradients, or one unit's backward (name, parts).
 
     ``unit_extras`` adds parts to a unit's backward: an experts unit's all-to-all buffers under expert parallelism.
+    ``unit_gradients``: a unit's unsharded gradients, where they differ from its gathered bytes (weights all-gathered
+    in float8). ``float8_casts``: the float8 copies one converted layer of the unit holds in its backward
+    (:mod:`modelpar.memory._float8`); they are freed before FSDP2 allocates the reduce-scatter input, so they make a
+    moment of their own, beside the unit gathered, its gradients and its recomputed activations.
     """
     recompute = activations.recompute if activations is not None else 0
+    grads = unit_gradients if unit_gradients is not None else gathered
     candidates: list[tuple[str, tuple[tuple[str, int], ...]]] = []
     if activations is not None:
         candidates.append(("loss backward", (("logits gradients (fp32)", activations.loss_backward),)))
     for unit, size in gathered.items():
-        parts = (
+        held = (
             ("unit gathered", size if resharding and unit != ROOT else 0),
-            ("unsharded gradients", 0 if accumulate else size),
-            ("reduce-scatter input", reduce_buffer[unit]),
-            ("recomputed activations", recompute if unit != ROOT else 0),
-            *(unit_extras or {}).get(unit, ()),
+            ("unsharded gradients", 0 if accumulate else grads[unit]),
         )
+        recomputed = ("recomputed activations", recompute if unit != ROOT else 0)
+        parts = (*held, ("reduce-scatter input", reduce_buffer[unit]), recomputed, *(unit_extras or {}).get(unit, ()))
         candidates.append((f"backward of {unit}", parts))
+        casts = (float8_casts or {}).get(unit, 0)
+        if casts:
+            candidates.append((f"float8 backward of {unit}", (*held, recomputed, ("float8 casts (one layer)", casts))))
     if not candidates:
         return "", ()
     return max(candidates, key=lambda c: sum(size for _, size in c[1]))
