@@ -95,7 +95,7 @@ failed=()
 "$VENV/bin/ruff" check --cache-dir "$VENV/.ruff_cache" src tests examples benchmarks || failed+=("ruff check")
 "$VENV/bin/ruff" format --check --cache-dir "$VENV/.ruff_cache" src tests examples benchmarks || failed+=("ruff format")
 MYPY_CACHE_DIR="$VENV/.mypy_cache" "$VENV/bin/mypy" || failed+=(mypy)
-"$py" -m pytest -o cache_dir="$VENV/.pytest_cache" "$@" || failed+=(pytest)
+"$py" -m pytest -n 2 -o cache_dir="$VENV/.pytest_cache" "$@" || failed+=(pytest)
 if [ ${#failed[@]} -gt 0 ]; then
   echo "== $VENV: failed: ${failed[*]}"
   exit 1
