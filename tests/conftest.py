@@ -42,8 +42,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Two workers (``scripts/test.sh`` runs ``-n 2``): one runs the tests of :data:`PROCESS_FOLDER`, the other
     :data:`PROGRAMS` and the one-process tests; each in collection order (module-scoped spawns are shared as before).
 
-    On 2 cores the suite left a fifth of its time idle (a launcher importing torch, a one-process test's single
-    thread): 21.8 min in one process, 17.1 with the one-process tests beside (same machine, same load). The scheduler
+    On 2 cores the serial suite left a fifth of its core time idle (a launcher importing torch, a one-process
+    test's single thread); on two workers, 7-12% (the CHANGELOG has the timings). The scheduler
     is xdist's own scope scheduler with one scope per side (pytest-xdist 3.8's ``--dist loadgroup`` cannot group
     under pytest 9.2, whose test ids it no longer rewrites).
     """

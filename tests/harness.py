@@ -50,7 +50,7 @@ def launcher_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str,
 #: through it, transformers), both Trainer namespaces, modelpar with its Hugging Face and Trainer modules, and
 #: torchao's float8 package, which transformers' quantizers import whenever torchao is installed (a model's
 #: ``from_pretrained`` / ``from_config``: 5 s of CPU per rank). A rank forked from the server starts its case at once
-#: (a spawn of 4 ranks importing modelpar: 1.0 s to 0.14 s; a Hugging Face grid: 80 s to 53 s). modelpar reads its
+#: (a spawn of 4 ranks importing modelpar: 1.0 s to 0.14 s). modelpar reads its
 #: environment when it runs, never at import, so the environment each rank gets (:func:`_process_env`) still applies.
 #: A module that is not installed is skipped by the server.
 _PRELOAD = [

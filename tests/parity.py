@@ -115,6 +115,12 @@ def mine_and_theirs(t: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, t
     return t.full_tensor(), ref
 
 
+def shard_difference(t: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest ``|t - ref|`` over this rank's part (:func:`mine_and_theirs`); 0.0 where it holds none."""
+    got, want = mine_and_theirs(t.detach(), ref.detach())
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
 def assert_matches(model: nn.Module, ref: nn.Module, what: str, atol: float = ATOL, rtol: float = RTOL) -> float:
     """Compare every parameter (``what="param"``) or gradient (``"grad"``) with the reference; return the max diff
     over this rank's part (every rank checks its own shards; together they cover every element)."""

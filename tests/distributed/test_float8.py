@@ -33,7 +33,7 @@ from modelpar.float8 import Float8Training, convert
 from modelpar.models import Llama, LlamaConfig
 from modelpar.pipeline._run import pipeline_of
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN, ParallelPlan
-from parity import mine_and_theirs
+from parity import shard_difference
 
 # Every size a multiple of 16 per tensor-parallel rank of 2 (the LM head stays high precision).
 CFG = LlamaConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=16)
@@ -100,9 +100,7 @@ def _worst(model: Any, ref: torch.nn.Module, what: str = "param") -> float:
     worst = 0.0
     for name, p in model.module.named_parameters():
         ours, theirs = (p.grad, ref_params[name].grad) if what == "grad" else (p, ref_params[name])
-        got, want = mine_and_theirs(ours.detach(), theirs.detach())  # this rank's shards, no collective
-        if got.numel():
-            worst = max(worst, (got - want).abs().max().item())
+        worst = max(worst, shard_difference(ours, theirs))  # this rank's shards, no collective
     return worst
 
 
