@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `modelpar inspect big | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as the Python docs advise
         return 1
-    except (OSError, ValueError, TypeError, ImportError, CheckpointKeyError) as err:
+    except (OSError, ValueError, TypeError, ImportError, NotImplementedError, CheckpointKeyError) as err:
+        # NotImplementedError: what modelpar refuses for a model it cannot shard that way (`plan_for`'s sequence
+        # parallelism, a family without context parallelism), said as an error line like any bad argument.
         from modelpar._errors import WeightsOnlyError
 
         hint = " On the command line, `--trust` is `weights_only=False`." if isinstance(err, WeightsOnlyError) else ""

@@ -216,6 +216,9 @@ def test_cli_estimates_a_hugging_face_config_like_the_same_llama(tmp_path, capsy
     assert hf.largest_unit == "model.layers.0"
     assert main(["estimate", "--hf-config", str(tmp_path), "--dp", "2", "--tp", "2", "--cpu-offload"]) == 0
     assert "model.layers.0, fp32" in capsys.readouterr().out
+    # What Hugging Face plans refuse is an error line and exit code 2, not a traceback.
+    assert main(["estimate", "--hf-config", str(tmp_path), "--tp", "2", "--sequence-parallel"]) == 2
+    assert capsys.readouterr().err.startswith("error: plan_for(..., sequence_parallel=True) is not supported")
 
 
 def test_a_hugging_face_style_the_plan_cannot_translate_is_named():
