@@ -67,7 +67,7 @@ _PRELOAD = [
 ]
 
 
-def _context() -> Any:
+def process_context() -> Any:
     """Where the processes come from: without CUDA, a fork server (one per pytest process) that has imported
     :data:`_PRELOAD`; with CUDA, fresh interpreters (``spawn``).
 
@@ -119,7 +119,7 @@ def run_distributed(
     """
     if world_size % nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of nodes={nodes}")
-    ctx = _context()
+    ctx = process_context()
     out = ctx.Queue()
     port = free_port()
     procs = [
@@ -178,7 +178,7 @@ def run_and_kill_when(
     For crash tests: the condition watches the file system for a save in progress. Raises if the
     processes finish, or the deadline passes, before the condition is seen.
     """
-    ctx = _context()
+    ctx = process_context()
     out = ctx.Queue()
     port = free_port()
     procs = [

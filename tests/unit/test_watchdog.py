@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import process_context
 from modelpar import ModelParallelStrategy
 from modelpar._mesh.watchdog import (
     DEFAULT_PEER_TIMEOUT,
@@ -151,6 +152,33 @@ def test_a_watchdog_stops_by_itself_and_marks_its_rank_finished_when_the_process
         time.sleep(0.05)
     assert not a.running and watchdog_threads() == [] and exits.codes == []
     assert store.add("job/beat/0", 0) >= 1 << 40
+
+
+def test_the_thread_is_a_daemon_whose_stop_ends_it_as_leftover_thread_checks_expect():
+    # Lightning's test suites stop the daemon threads a test leaves through their `stop()`, then require them
+    # ended, and fail the test on any other thread left behind.
+    store, exits = dist.HashStore(), Exits()
+    a = watchdog(store, 0, 2, exits).start()
+    (thread,) = watchdog_threads()
+    assert thread.daemon and callable(getattr(thread, "stop", None))
+    thread.stop()
+    assert not thread.is_alive() and not a.running and exits.codes == []
+    assert store.add("job/beat/0", 0) >= 1 << 40  # marked finished, so its peer does not take it for dead
+
+
+def _start_a_watchdog_and_return(port):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    PeerWatchdog(store, rank=1, world_size=2, peer_timeout=30, prefix="job").start()
+
+
+def test_a_multiprocessing_worker_marks_its_rank_finished_when_its_target_returns():
+    # multiprocessing workers end with os._exit, skipping atexit, and the thread is a daemon: a finalizer marks it.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    worker = process_context().Process(target=_start_a_watchdog_and_return, args=(server.port,))
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 0
+    assert server.add("job/beat/1", 0) >= 1 << 40
 
 
 def test_diagnose_names_a_rank_on_this_machine_whose_process_has_exited():

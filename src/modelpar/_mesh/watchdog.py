@@ -16,8 +16,11 @@ a key every rank polls, prints why to stderr and ends the process with :data:`PE
 it with ``os._exit``: the main thread is then usually blocked inside a C++ collective, where no Python
 exception can reach it. A rank that stops normally (its main thread finished, the process group destroyed)
 marks its counter as finished; once a rank has seen that, it stops judging, as the job is ending and silence
-is then no death. Store requests run on short-lived daemon threads of their own: against a frozen store host
-a c10d client blocks for good, and the watchdog must still judge.
+is then no death. The thread is a daemon with a ``stop()``, the shape test suites' leftover-thread checks accept
+(Lightning's stops such threads after each test and fails on any other); the finished mark at exit comes from
+``atexit`` and, in ``multiprocessing`` workers, which skip ``atexit``, from a ``multiprocessing`` finalizer.
+Store requests run on short-lived daemon threads of their own: against a frozen store host a c10d client
+blocks for good, and the watchdog must still judge.
 
 When the main thread fails first (gloo's "Connection reset by peer"), an exception hook names the process that
 died after the traceback, if one on this machine is gone or a finding was published.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -134,6 +138,7 @@ class PeerWatchdog:
         self.peer = (rank + 1) % world_size
         self._prefix, self._exit = prefix, exit
         self._stop = threading.Event()
+        self._stopping = threading.Lock()  # held by whoever stops the watchdog, until the thread has ended
         self._thread: threading.Thread | None = None
         self._me = RankProcess.this()
         #: The ranks on this machine, as ``rank -> pid``: their death can be told from here at once, store or not.
@@ -148,10 +153,11 @@ class PeerWatchdog:
             self.store.set(self._key("who", self.rank), self._me.encode())
             self.store.append(self._key("machine", self._me.machine), f"{self.rank} {self._me.pid};")
             self.store.add(self._key("beat", self.rank), 1)
-            # Not a daemon: Python joins it when the main thread finishes (also in multiprocessing workers, which
-            # skip atexit), and it then marks this rank finished, so a rank that ends first is not taken for dead.
-            self._thread = threading.Thread(target=self._run, name="modelpar-peer-watchdog")
+            self._thread = _WatchdogThread(self)
             self._thread.start()
+            atexit.register(self.stop)
+            # multiprocessing workers end with os._exit once their target returns, skipping atexit; they run these.
+            multiprocessing.util.Finalize(None, self.stop, exitpriority=0)
             hook_in(self)
         return self
 
@@ -160,17 +166,28 @@ class PeerWatchdog:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
-        """Mark this rank finished (so peers do not take its silence for a death) and end the thread; quiet."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        if self._thread is not None:
-            # the store host may have finished first, or be frozen: then there is nobody to tell
-            with contextlib.suppress(Exception):
-                StoreCall(lambda: self.store.add(self._key("beat", self.rank), _FINISHED)).wait(_LAST_WORDS)
-            if self._thread is not threading.current_thread():
-                self._thread.join(timeout=self.interval + _LAST_WORDS)
-            StoreCall.drain(_LAST_WORDS)  # none may return during finalization: that aborts the process
+        """Mark this rank finished (so peers do not take its silence for a death) and end the thread; quiet.
+
+        Returns once the thread has ended, whichever thread calls it and however many call it at once (``atexit``,
+        a finalizer, the thread itself on seeing the job end, a test suite's thread check): a caller that returned
+        earlier could let the interpreter finalize while the last store request is still in flight.
+        """
+        own_thread = self._thread is threading.current_thread()
+        if not self._stopping.acquire(blocking=not own_thread):
+            return  # the thread itself, while another caller stops it and waits for it to end
+        try:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            if self._thread is not None:
+                # the store host may have finished first, or be frozen: then there is nobody to tell
+                with contextlib.suppress(Exception):
+                    StoreCall(lambda: self.store.add(self._key("beat", self.rank), _FINISHED)).wait(_LAST_WORDS)
+                if not own_thread:
+                    self._thread.join(timeout=self.interval + _LAST_WORDS)
+                StoreCall.drain(_LAST_WORDS)  # none may return during finalization: that aborts the process
+        finally:
+            self._stopping.release()
         hook_out(self)
 
     # -- the thread ----------------------------------------------------------------------------------------
@@ -302,6 +319,22 @@ class PeerWatchdog:
         return self._describe(exited[0], "") if exited else None
 
 
+class _WatchdogThread(threading.Thread):
+    """The watchdog's thread: a daemon that ``stop()`` ends, marking this rank finished first.
+
+    A daemon, so that it never keeps a process alive, and so that a test suite's leftover-thread check, which
+    stops daemon threads through their ``stop()`` and fails on any other (Lightning's does, after every test),
+    accepts a strategy's run that leaves it behind.
+    """
+
+    def __init__(self, watchdog: PeerWatchdog) -> None:
+        super().__init__(target=watchdog._run, name="modelpar-peer-watchdog", daemon=True)
+        self._watchdog = watchdog
+
+    def stop(self) -> None:
+        self._watchdog.stop()
+
+
 _active: PeerWatchdog | None = None
 _generation = 0  # process groups watched so far in this process: keeps keys apart when a job makes a new group
 
@@ -341,5 +374,4 @@ def watch_peers(peer_timeout: float | None, store_timeout: timedelta | None = No
         prefix=f"modelpar/watchdog/{attempt}/{_generation}",
         group=dist.group.WORLD,
     ).start()
-    atexit.register(_active.stop)
     return _active
