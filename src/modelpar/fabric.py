@@ -300,7 +300,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     # -- modules -------------------------------------------------------------------------------------
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self._core.setup_module(module, self.root_device)
+        module = self._set_up_module(module)
         self._set_up_modules.add(module)
         return module
 

@@ -205,7 +205,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None  # set by the Trainer
         self.accelerator.setup(trainer)
-        module = self._core.setup_module(self.model, self.root_device)  # on later runs: nothing new to shard or init
+        module = self._set_up_module(self.model)  # on later runs: nothing new to shard or init
         if module is not self.model:
             raise TypeError(
                 "`parallelize_fn` must parallelize the LightningModule in place and return that same module"

@@ -245,6 +245,8 @@ def _fsdp1_models_are_refused() -> dict[str, str]:
     ):
         fabric.setup_module(wrapped)
     standalone = ModelParallelStrategy(parallelize_llama, 2, 1, timeout=PG_TIMEOUT)
+    with pytest.raises(TypeError, match=r"wrapped with FSDP1"):  # first, as Lightning: before the environment too
+        standalone.setup_module(wrapped)
     standalone.setup_environment()
     with pytest.raises(TypeError, match=r"wrapped with FSDP1") as e:
         standalone.setup_module(fsdp1_wrap(reference_model()))

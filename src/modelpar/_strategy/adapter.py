@@ -9,7 +9,7 @@ each adapter's bases and relies only on what both bases provide (``parallel_devi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning_fabric.plugins.environments import ClusterEnvironment
@@ -19,11 +19,14 @@ from modelpar._mesh.process_group import barrier, broadcast_object
 from modelpar._strategy.core import ParallelCore
 from modelpar._strategy.lightning import Framework, load, strategy_repr
 from modelpar.checkpoint._remote import Location, RemotePath, to_location
+from modelpar.legacy import reject_fsdp1_modules
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CoreStrategyMixin"]
+
+TModule = TypeVar("TModule", bound=torch.nn.Module)
 
 
 class CoreStrategyMixin:
@@ -141,6 +144,13 @@ class CoreStrategyMixin:
             per_node=self.num_processes,
             nodes=self.num_nodes,
         )
+
+    def _set_up_module(self, module: TModule) -> TModule:
+        """The core's ``setup_module`` on this rank's device, FSDP1 wrappers refused first: that needs no
+        environment, so a module wrapped with the old API gets Lightning's ``TypeError`` even before
+        ``setup_environment`` (where ``root_device`` is still unknown), as with Lightning's strategy."""
+        reject_fsdp1_modules(module, self._core.strategy_name)
+        return self._core.setup_module(module, self.root_device)
 
     def _start_distributed(self) -> DeviceMesh:
         """Seed, ranks, then the core's validated process group and mesh (after the base's device set-up)."""

@@ -43,7 +43,6 @@ from modelpar._train.clip import clip_grad_norm, clip_grad_value
 from modelpar._train.fsdp import FSDPOptions, cast_root_outputs, handed_out, register_mesh
 from modelpar._train.grad_sync import GradientSyncControl
 from modelpar.checkpoint import Checkpointer
-from modelpar.legacy import reject_fsdp1_modules
 from modelpar.pipeline._run import pipeline_of
 
 if TYPE_CHECKING:
@@ -255,7 +254,8 @@ class ParallelCore:
         return stack
 
     def setup_module(self, module: TModel, root_device: torch.device) -> TModel:
-        """Reject FSDP1 wrappers, apply ``parallelize_fn``, then materialize meta tensors where they belong.
+        """Apply ``parallelize_fn``, then materialize meta tensors where they belong (the adapters refuse FSDP1
+        wrappers before, in ``_set_up_module``).
 
         That is ``root_device``, except the shards of FSDP units that offload to the CPU, which are materialized
         in host memory (see ``modelpar._init.placement``). Once per module: a module set up before (a second Trainer
@@ -263,7 +263,6 @@ class ParallelCore:
         gained on the meta device since are materialized (real ones keep their values). It must be on a mesh of
         the same layout and ranks, as modules cannot be re-sharded in place.
         """
-        reject_fsdp1_modules(module, self.strategy_name)
         mesh_key = _mesh_key(self.device_mesh)
         set_up_on = getattr(module, _SET_UP_ON, None)
         if set_up_on is not None:
