@@ -238,7 +238,7 @@ def case_who_fsyncs_what(root: Path) -> dict[str, Any]:
 
 
 def case_existing_folders(root: Path) -> dict[str, Any]:
-    """Saves into folders created beforehand, over previous checkpoints, and the refusal of a foreign folder."""
+    """Saves into folders created beforehand, over previous checkpoints, and into a folder of the user's files."""
     rank = dist.get_rank()
     fabrics = {
         fmt: make_fabric(2, 1, world_size=2, save_distributed_checkpoint=fmt == "dist") for fmt in ("dist", "full")
@@ -266,14 +266,27 @@ def case_existing_folders(root: Path) -> dict[str, Any]:
             foreign.mkdir(parents=True)
             (foreign / "notes.txt").write_text("keep me")
         dist.barrier()
-        with pytest.raises(IsADirectoryError) as raised:
-            fabric.save(foreign, {"model": models[fmt], "step": 1})
-        out[f"{fmt}-foreign"] = (str(raised.value), (foreign / "notes.txt").read_text())
+        if fmt == "full":  # a file cannot sit where the folder is
+            with pytest.raises(IsADirectoryError) as raised:
+                fabric.save(foreign, {"model": models[fmt], "step": 1})
+            out[f"{fmt}-foreign"] = (str(raised.value), (foreign / "notes.txt").read_text())
+            continue
+        # the distributed format goes in among the user's files, as Lightning's strategy's does, twice (over itself)
+        for step in (1, 2):
+            fabric.save(foreign, {"model": models[fmt], "step": step})
+        state = {"model": fabric.setup_module(reference_model(seed=7)), "step": 0}
+        fabric.load(foreign, state)
+        same = all(torch.equal(a, b) for a, b in zip(_full(state["model"]), _full(models[fmt]), strict=True))
+        out[f"{fmt}-foreign"] = (state["step"], same, (foreign / "notes.txt").read_text(), _names(foreign))
     for fabric in fabrics.values():
         fabric.strategy.teardown()
     dist.barrier()  # rank 0's teardown has waited for its deletions
     out["leftovers"] = sorted(p.name for p in (root / "existing").glob(".*"))
     return out
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 def _full(model: nn.Module) -> list[torch.Tensor]:
@@ -369,13 +382,17 @@ def test_each_rank_fsyncs_the_shards_it_wrote_and_rank_0_the_metadata_and_folder
         assert max(rank0["shards_synced_at"] + rank1["shards_synced_at"]) < rank0["commit"][0], case
 
 
-def test_saves_go_into_existing_empty_or_checkpoint_folders_and_refuse_foreign_ones_on_every_rank(spawn):
+def test_saves_go_into_existing_folders_keeping_the_users_files_or_refuse_them_for_a_full_file_on_every_rank(spawn):
     for result in (r["existing"] for r in spawn):
         for fmt in ("dist", "full"):
             for before in ("empty", "meta-only", "previous-dist", "previous-full"):
                 assert result[f"{fmt}-over-{before}"] == (True, 1, True), (fmt, before)
-            message, notes = result[f"{fmt}-foreign"]
-            assert notes == "keep me"
-            assert re.search(r"it is a folder that is not a checkpoint \(it holds 'notes.txt'", message), message
-            assert "Choose a path inside it, an empty folder, or a new path" in message
+        message, notes = result["full-foreign"]
+        assert notes == "keep me"
+        assert re.search(
+            r"the path exists and is a directory that is not a checkpoint \(it holds 'notes.txt'", message
+        ), message
+        assert "Choose a path inside it, an empty folder, or a new path" in message
+        files = [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", "notes.txt"]
+        assert result["dist-foreign"] == (2, True, "keep me", files)
         assert result["leftovers"] == []

@@ -353,7 +353,7 @@ def case_cpu_offload() -> dict[str, Any]:
 
 
 def case_save_checkpoint_into_existing_folders(root: Path) -> dict[str, Any]:
-    """``trainer.save_checkpoint`` into folders made beforehand and over previous checkpoints; foreign ones refused."""
+    """``trainer.save_checkpoint`` into folders made beforehand, over previous checkpoints and among the user's files."""
     trainers, modules = {}, {}
     for fmt in ("dist", "full"):
         trainers[fmt] = trainer(2, 1, 2, max_steps=1, save_distributed_checkpoint=fmt == "dist")
@@ -380,9 +380,15 @@ def case_save_checkpoint_into_existing_folders(root: Path) -> dict[str, Any]:
             foreign.mkdir(parents=True)
             (foreign / "notes.txt").write_text("keep me")
         t.strategy.barrier()
-        with pytest.raises(IsADirectoryError, match=r"it is a folder that is not a checkpoint \(it holds 'notes.txt'"):
+        if fmt == "full":  # a file cannot sit where the folder is
+            with pytest.raises(
+                IsADirectoryError, match=r"exists and is a directory that is not a checkpoint \(it holds 'notes.txt'"
+            ):
+                t.save_checkpoint(foreign)
+        else:  # written among the user's files, which stay, as with Lightning's strategy
             t.save_checkpoint(foreign)
-        out[f"{fmt}-foreign"] = (foreign / "notes.txt").read_text()
+            t.strategy.barrier()
+        out[f"{fmt}-foreign"] = sorted(p.name for p in foreign.iterdir()), (foreign / "notes.txt").read_text()
     for t in trainers.values():
         t.strategy.teardown()  # waits for the deletion of the checkpoints replaced (rank 0)
     trainers["dist"].strategy.barrier()
@@ -458,12 +464,16 @@ def test_fit_validate_test_predict_match_the_reference(two, layout):
     assert all(r[f"fit_{layout}"]["dp_rank_sum"] == sum(range(1, dp + 1)) for r in two)
 
 
-def test_save_checkpoint_goes_into_existing_empty_or_checkpoint_folders_and_refuses_foreign_ones(two):
+def test_save_checkpoint_goes_into_existing_folders_keeping_the_users_files_or_refuses_them_for_a_file(two):
     for result in (r["existing_folders"] for r in two):
         for fmt in ("dist", "full"):
             for before in ("empty", "meta-only", "previous-dist", "previous-full"):
                 assert result[f"{fmt}-over-{before}"] == (True, 1), (fmt, before)
-            assert result[f"{fmt}-foreign"] == "keep me"
+        assert result["full-foreign"] == (["notes.txt"], "keep me")
+        assert result["dist-foreign"] == (
+            [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", "notes.txt"],
+            "keep me",
+        )
         assert result["leftovers"] == []
 
 

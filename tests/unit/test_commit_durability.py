@@ -17,7 +17,15 @@ import pytest
 import torch
 
 from modelpar.checkpoint import Checkpointer, load_state, save_state
-from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, reuse_as_staging, staging_path
+from modelpar.checkpoint._commit import (
+    Trash,
+    commit,
+    commit_among,
+    new_token,
+    remove_stale,
+    reuse_as_staging,
+    staging_path,
+)
 
 # save_state without a process group: DCP warns each time, and here that is intended.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -258,20 +266,77 @@ def test_a_save_replaces_an_empty_folder_or_a_checkpoint_folder_atomically(tmp_p
     assert target.is_file() == full and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
-@pytest.mark.parametrize("full", [True, False], ids=["full", "distributed"])
-def test_a_save_refuses_a_folder_of_other_files_saying_why_and_keeps_it(tmp_path, full):
+def test_a_full_save_refuses_a_folder_of_other_files_saying_why_and_keeps_it(tmp_path):
     target = tmp_path / "results"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
     (target / "plots").mkdir()
     with pytest.raises(
         IsADirectoryError,
-        match=r"'.*results': it is a folder that is not a checkpoint \(it holds 'notes.txt', 'plots' \.\.\., but no"
+        match=r"'.*results': the path exists and is a directory that is not a checkpoint \(it holds 'notes.txt', 'plots' \.\.\., but no"
         r" '.metadata' or 'meta.pt'\), and saving would replace it, deleting what is in it\. Choose a path inside"
         r" it, an empty folder, or a new path\.",
     ):
-        save_state(target, {"model": torch.nn.Linear(2, 2)}, full=full)
+        save_state(target, {"model": torch.nn.Linear(2, 2)}, full=True)
     assert (target / "notes.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+@pytest.mark.parametrize("before", ["user-files", "user-files-and-a-checkpoint"])
+def test_a_distributed_save_goes_in_among_the_users_files_and_keeps_them(tmp_path, before):
+    # As Lightning's strategy does: its files are written into the folder, and what else is there stays.
+    target = tmp_path / "results"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    (target / "plots").mkdir()
+    (target / "plots" / "loss.png").write_bytes(b"png")
+    if before == "user-files-and-a-checkpoint":  # a bigger one: its extra shard must go
+        save_state(target, {"model": torch.nn.Linear(4, 4), "step": 0}, full=False)
+        (target / "__7_0.distcp").write_bytes(b"a shard of a run on more ranks")
+    model = torch.nn.Linear(2, 2)
+    save_state(target, {"model": model, "step": 1}, full=False)
+    state = {"model": torch.nn.Linear(2, 2), "step": 0}
+    load_state(target, state)
+    assert state["step"] == 1 and torch.equal(state["model"].weight, model.weight)
+    assert sorted(p.name for p in target.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt", "notes.txt", "plots"]
+    assert (target / "notes.txt").read_text() == "keep me" and (target / "plots" / "loss.png").read_bytes() == b"png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_commit_among_the_users_files_never_leaves_a_complete_checkpoint_mixed_with_the_previous(tmp_path, calls):
+    # The previous .metadata goes first and the new one comes last, each step durable before the next: a crash
+    # between leaves an incomplete checkpoint (load says so), never the new shards under the old .metadata.
+    target = tmp_path / "results"
+    make_entry(target, "folder", "v1")
+    (target / "__2_0.distcp").write_bytes(b"v1: a shard the new checkpoint does not write")
+    (target / "notes.txt").write_text("keep me")
+    token = new_token()
+    staged = staging_path(target, token)
+    files = make_entry(staged, "folder", "v2")
+    calls.clear()
+
+    commit_among(target, staged, shards_synced=False)
+
+    target, staged = target.absolute(), staged.absolute()
+    ops = [(op, arg) for op, arg in calls if op != "fsync" or arg in (target, target.parent) or arg.parent == staged]
+    first_move = next(i for i, (op, _) in enumerate(ops) if op == "replace")
+    staged_synced = [arg for op, arg in ops[:first_move] if op == "fsync" and arg.parent == staged]
+    assert sorted(staged_synced) == sorted(staged / f for f in files), ops
+    assert ("remove", target / ".metadata") in ops[:first_move], ("the old .metadata goes first", ops)
+    removed_old = ops.index(("remove", target / ".metadata"))
+    assert ("fsync", target) in ops[removed_old:first_move], ("made durable before the new files come", ops)
+    moves = [arg for op, arg in ops if op == "replace"]
+    assert moves[-1] == (staged / ".metadata", target / ".metadata"), ("the new .metadata comes last", ops)
+    last = ops.index(("replace", moves[-1]))
+    assert ("remove", target / "__2_0.distcp") in ops[:last] and ("fsync", target) in ops[last - 1 : last], ops
+    assert ("fsync", target) in ops[last + 1 :], ("the new .metadata made durable", ops)
+    assert sorted(p.name for p in target.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+        "notes.txt",
+    ]
+    assert all((target / f).read_bytes().startswith(b"v2") for f in files) and not staged.exists()
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["full", "distributed"])

@@ -33,9 +33,17 @@ from torch.optim import Optimizer
 
 from modelpar.checkpoint import _io
 from modelpar.checkpoint._agree import agree, gather, node_leader, not_shared_error, run_agreed
-from modelpar.checkpoint._commit import Trash, commit, new_token, remove_stale, reuse_as_staging, staging_path
+from modelpar.checkpoint._commit import (
+    Trash,
+    commit,
+    commit_among,
+    new_token,
+    remove_stale,
+    reuse_as_staging,
+    staging_path,
+)
 from modelpar.checkpoint._dcp_read import root_cause
-from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, replaceable_folder
+from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, foreign_entries, replaceable_folder
 from modelpar.checkpoint._overwrite import local_writer, open_over
 from modelpar.checkpoint._remote import (
     Location,
@@ -65,16 +73,26 @@ def _sees(entry: Path) -> bool:
     return False
 
 
-def _refuse_other_folders(path: Location) -> None:
-    """A save replaces what is at ``path``: refuse if that is a folder (or a URL prefix) of the user's files."""
+def _refuse_other_folders(path: Location, *, full: bool) -> None:
+    """Refuse to save over a folder (or a URL prefix) of the user's files where the save would replace it: in the
+    full format (a file cannot sit where a folder is), and at a URL. A local distributed checkpoint is written
+    among the user's files instead, keeping them, as Lightning's strategy does (:func:`_local_folder_of_users`).
+    """
     if path.is_dir() and not path.is_symlink() and not replaceable_folder(path):
+        if not full and isinstance(path, Path):
+            return
         names: list[str] = sorted(entry.name for entry in path.iterdir())
         shown = ", ".join(map(repr, names[:3]))
         raise IsADirectoryError(
-            f"Refusing to save to {str(path)!r}: it is a folder that is not a checkpoint (it holds {shown} ...,"
-            f" but no {DCP_METADATA!r} or {USER_METADATA!r}), and saving would replace it, deleting what is"
-            " in it. Choose a path inside it, an empty folder, or a new path."
+            f"Refusing to save to {str(path)!r}: the path exists and is a directory that is not a checkpoint (it"
+            f" holds {shown} ..., but no {DCP_METADATA!r} or {USER_METADATA!r}), and saving would replace it,"
+            " deleting what is in it. Choose a path inside it, an empty folder, or a new path."
         )
+
+
+def _local_folder_of_users(path: Location) -> bool:
+    """Whether ``path`` is a local folder holding files no checkpoint writes: a distributed save keeps them."""
+    return isinstance(path, Path) and path.is_dir() and not path.is_symlink() and bool(foreign_entries(path))
 
 
 class Checkpointer:
@@ -153,7 +171,7 @@ class Checkpointer:
 
         def prepare() -> str:
             if isinstance(path, RemotePath):
-                _refuse_other_folders(path)
+                _refuse_other_folders(path, full=full)
                 token = new_token()
                 if not full:
                     prepare_prefix(path, token)
@@ -204,6 +222,8 @@ class Checkpointer:
         def commit_synced() -> None:
             if isinstance(path, RemotePath):
                 commit_prefix(path, token)
+            elif _local_folder_of_users(path):
+                commit_among(path, staged, shards_synced=True)
             else:
                 commit(path, staged, token, shards_synced=True, discard=self._set_aside)
 
@@ -230,7 +250,7 @@ class Checkpointer:
 
         The staging entry is created here (empty), so that every process can check that it sees it.
         """
-        _refuse_other_folders(path)
+        _refuse_other_folders(path, full=full)
         token = new_token()
         path.parent.mkdir(parents=True, exist_ok=True)
         spare, self._spare = self._spare, None

@@ -4,7 +4,8 @@ Every save writes into a staging entry beside the target, ``.<name>.partial-<tok
 distributed format, a file for the full one). Only when everything is written does rank 0 move the old
 checkpoint aside (``.<name>.old-<token>``) and rename the staging entry to the target. Renames within a
 folder are atomic, so a crash or kill at any point leaves either the previous checkpoint or the new one at
-the path, never a mix. The old checkpoint set aside is not deleted inside the commit, where every rank would
+the path, never a mix (a folder that also holds the user's files is the exception: see :func:`commit_among`).
+The old checkpoint set aside is not deleted inside the commit, where every rank would
 wait: the next save to the same path writes over it (:func:`reuse_as_staging`), or a :class:`Trash` deletes
 it in the background. The leftovers of an interrupted save or deletion are recognised by name: load
 reports them, and the next save to the same path removes them.
@@ -29,11 +30,12 @@ import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from modelpar.checkpoint._format import DCP_METADATA, SHARD_SUFFIX, USER_METADATA
+from modelpar.checkpoint._format import DCP_METADATA, SHARD_SUFFIX, USER_METADATA, foreign_entries
 
 __all__ = [
     "Trash",
     "commit",
+    "commit_among",
     "describe_leftovers",
     "new_token",
     "remove_stale",
@@ -111,6 +113,36 @@ def commit(
     _fsync(path.parent, folder=True)
     if had_previous:
         (discard or _remove)(aside)
+
+
+def commit_among(path: Path, staged: Path, *, shards_synced: bool = False) -> None:
+    """Move the staged checkpoint folder's files into the folder ``path``, which holds files of the user's too,
+    keeping those (rank 0 only).
+
+    Lightning's strategy writes a distributed checkpoint into an existing folder and leaves what else is there;
+    replacing the folder as :func:`commit` does would delete the user's files. The order keeps a folder that
+    loads from ever mixing two checkpoints: the previous checkpoint's ``.metadata`` goes first (from then on the
+    folder is an incomplete checkpoint, which load reports as such), then the new files come in and the previous
+    checkpoint's other files go, and the new ``.metadata``, which completes the checkpoint, comes last; each
+    step is made durable before the next. So a crash in between leaves an incomplete checkpoint there, not the
+    previous one: a checkpoint saved to a path of its own keeps the previous one instead.
+    """
+    _sync_tree(staged, skip_shards=shards_synced)
+    (path / DCP_METADATA).unlink(missing_ok=True)
+    _fsync(path, folder=True)
+    new = {entry.name for entry in staged.iterdir()}
+    keep = set(foreign_entries(path)) | new
+    for name in sorted(new - {DCP_METADATA}):
+        os.replace(staged / name, path / name)
+    for entry in path.iterdir():
+        if entry.name not in keep:  # the previous checkpoint's files that the new one does not write over
+            _remove(entry)
+    _fsync(path, folder=True)
+    if DCP_METADATA in new:
+        os.replace(staged / DCP_METADATA, path / DCP_METADATA)
+        _fsync(path, folder=True)
+    staged.rmdir()
+    _fsync(path.parent, folder=True)
 
 
 def reuse_as_staging(spare: Path, path: Path, token: str, *, folder: bool) -> bool:

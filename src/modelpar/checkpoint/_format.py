@@ -16,6 +16,7 @@ __all__ = [
     "WRITING_MARKER",
     "USER_METADATA",
     "CheckpointFormat",
+    "foreign_entries",
     "replaceable_folder",
 ]
 
@@ -31,6 +32,15 @@ class CheckpointFormat(str, Enum):
     FULL = "full"
 
 
+def _ours(name: str) -> bool:
+    return name in (DCP_METADATA, USER_METADATA, COMMIT_MARKER, WRITING_MARKER) or name.endswith(SHARD_SUFFIX)
+
+
+def foreign_entries(path: Any) -> list[str]:
+    """The names in the folder ``path`` that no checkpoint writes: the user's files, which a save keeps."""
+    return sorted(entry.name for entry in path.iterdir() if not _ours(entry.name))
+
+
 def replaceable_folder(path: Any) -> bool:
     """Whether a save may replace the folder ``path``: it is empty, or a checkpoint folder.
 
@@ -41,5 +51,4 @@ def replaceable_folder(path: Any) -> bool:
     is what an interrupted Lightning save or a user's ``mkdir`` leaves. Anything else holds the user's files.
     """
     names = [entry.name for entry in path.iterdir()]
-    ours = (DCP_METADATA, USER_METADATA, COMMIT_MARKER, WRITING_MARKER)
-    return not names or any(n in ours or n.endswith(SHARD_SUFFIX) for n in names)
+    return not names or any(map(_ours, names))
