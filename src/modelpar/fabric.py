@@ -247,7 +247,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         raise NotImplementedError(
-            f"`{type(self).__name__}` does not use a `CheckpointIO` plugin: it saves with"
+            f"`{type(self).__name__}` does not use the `CheckpointIO` plugin: it saves with"
             " torch.distributed.checkpoint. Use `save_checkpoint` / `load_checkpoint` (`fabric.save` / `fabric.load`)."
         )
 
@@ -255,7 +255,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     @override
     def checkpoint_io(self, io: CheckpointIO) -> None:
         raise NotImplementedError(
-            f"`{type(self).__name__}` does not support a `CheckpointIO` plugin ({type(io).__name__} given): it"
+            f"`{type(self).__name__}` does not support setting a `CheckpointIO` plugin ({type(io).__name__} given): it"
             " saves with torch.distributed.checkpoint. Remove the plugin from `Fabric(plugins=...)`."
         )
 
@@ -370,7 +370,7 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
         """Restore ``state`` in place from ``path`` (either format, any mesh layout); return the unrequested rest."""
         if not state:
             raise ValueError(
-                f"Got `{type(self).__name__}.load_checkpoint(..., state={state!r})`, but a state with at least one"
+                f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}), but a state with at least one"
                 " object to restore is needed, like `load_checkpoint(path, state={'model': model, ...})`."
             )
         location = self._checkpoint_path(path)
@@ -380,8 +380,8 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(
-                f"Loading a bare optimizer with `{type(self).__name__}` is not supported; pass"
-                " `state={'optimizer': optimizer}` instead."
+                f"Loading a single optimizer object from a checkpoint is not supported with `{type(self).__name__}`:"
+                " its state is keyed by the model's parameter names. Pass `state={'optimizer': optimizer}` instead."
             )
         return checkpointer.load(
             location, state, strict=strict, weights_only=weights_only, known_modules=list(self._set_up_modules)

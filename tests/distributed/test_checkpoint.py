@@ -225,7 +225,7 @@ def case_stateful_filter_and_errors(root: Path) -> dict[str, Any]:
         fabric.load(root / "nowhere", {"model": model})
     (root / "empty-dir").mkdir(exist_ok=True)
     dist.barrier()
-    with pytest.raises(ValueError, match=r"is not a distributed checkpoint: it has no '\.metadata' file") as e2:
+    with pytest.raises(ValueError, match=r"does not point to a valid checkpoint: it has no '\.metadata' file") as e2:
         fabric.load(root / "empty-dir", {"model": model})
     out["errors"] = [str(e1.value), str(e2.value)]
     return out

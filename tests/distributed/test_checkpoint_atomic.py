@@ -72,6 +72,6 @@ def test_missing_path_mentions_an_interrupted_save_beside_it(tmp_path):
 def test_saving_over_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
     (tmp_path / "precious").mkdir()
     (tmp_path / "precious" / "notes.txt").write_text("keep me")
-    with pytest.raises(IsADirectoryError, match=r"it is a folder that is not a checkpoint"):
+    with pytest.raises(IsADirectoryError, match=r"the path exists and is a directory that is not a checkpoint"):
         save_state(tmp_path / "precious", {"model": torch.nn.Linear(2, 2)}, full=True)
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"

@@ -185,7 +185,10 @@ def case_setup_errors(world_size: int) -> dict[str, str]:
     messages["auto"] = str(e2.value)
     # 2. parallelize_fn that forgets to return the model.
     fabric = make_fabric(world_size, 1, world_size=world_size, parallelize_fn=_returns_none)
-    with pytest.raises(TypeError, match=r"must return the parallelized `nn.Module`, but it returned NoneType"):
+    with pytest.raises(
+        TypeError,
+        match=r"The `parallelize_fn` \(_returns_none\) must return a `nn.Module` instance, the parallelized model, but it returned NoneType",
+    ):
         fabric.setup_module(nn.Linear(2, 2))
     # 3. FSDP1-wrapped submodules are named.
     from torch.distributed.fsdp import FullyShardedDataParallel

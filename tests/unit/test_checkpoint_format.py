@@ -19,7 +19,7 @@ def test_detects_full_and_distributed_formats(tmp_path):
 def test_missing_path_and_plain_folder_are_named(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match=r"No checkpoint at '.*nope': the path does not exist"):
         detect_format(tmp_path / "nope")
-    with pytest.raises(ValueError, match=r"is not a distributed checkpoint: it has no '\.metadata' file"):
+    with pytest.raises(ValueError, match=r"does not point to a valid checkpoint: it has no '\.metadata' file"):
         detect_format(tmp_path)
 
 
@@ -45,7 +45,9 @@ def test_stateful_objects_are_restored_in_place_and_the_rest_returned():
 
 
 def test_strict_metadata_loading_names_the_missing_key():
-    with pytest.raises(CheckpointKeyError, match=r"has no entry 'epoch' that the given state asks for"):
+    with pytest.raises(
+        CheckpointKeyError, match=r"The requested state contains a key 'epoch' that does not exist in the checkpoint"
+    ):
         restore_metadata({"epoch": 0}, {"epoch": 0}, {"step": 1}, True, "ckpt")
     assert restore_metadata({"epoch": 0}, {"epoch": 0}, {"step": 1}, False, "ckpt") == {"step": 1}
 

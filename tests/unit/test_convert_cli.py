@@ -215,7 +215,7 @@ def test_errors_name_the_path_what_it_is_and_the_fix(source, tmp_path):
     ):
         convert_to_file(folder, tmp_path / "plain", overwrite=True)
     with pytest.raises(
-        ValueError, match=r"The folder '.*plain' is not a distributed checkpoint: it has no '\.metadata'"
+        ValueError, match=r"The folder '.*plain' does not point to a valid checkpoint: it has no '\.metadata'"
     ):
         convert_to_file(tmp_path / "plain", tmp_path / "out.pt")
     torch.save({"step": 3}, tmp_path / "meta_only.pt")
@@ -308,7 +308,9 @@ def test_cli_reports_errors_in_one_line_with_exit_code_2(tmp_path, capsys):
         capsys.readouterr().err == f"error: No checkpoint at {str(tmp_path / 'missing')!r}: the path does not exist.\n"
     )
     assert main(["inspect", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith(f"error: The folder {str(tmp_path)!r} is not a distributed checkpoint")
+    assert capsys.readouterr().err.startswith(
+        f"error: The folder {str(tmp_path)!r} does not point to a valid checkpoint"
+    )
     torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "w.pt")
     with pytest.raises(SystemExit) as exit_info:
         main(["convert", str(tmp_path / "w.pt"), str(tmp_path / "d"), "--dtype", "bf16"])

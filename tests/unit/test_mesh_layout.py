@@ -33,8 +33,8 @@ def test_explicit_sizes_with_the_wrong_product_name_the_values_and_the_fix():
     with pytest.raises(MeshSizeError) as e:
         resolve(3, 2)
     assert str(e.value) == (
-        "`data_parallel_size=3` x `tensor_parallel_size=2` = 6, but the world size is 4. Choose sizes whose"
-        ' product is 4, or pass "auto" for one of them.'
+        "The sizes multiplied should equal the world size (4), but `data_parallel_size=3` x"
+        ' `tensor_parallel_size=2` = 6. Choose sizes whose product is 4, or pass "auto" for one of them.'
     )
 
 
@@ -206,8 +206,8 @@ def test_context_parallel_sizes_that_cannot_fit_name_the_values_and_the_fix():
         resolve_cp("auto", 1, 3)
     with pytest.raises(
         MeshSizeError,
-        match=r"`data_parallel_size=2` x `context_parallel_size=2` x `tensor_parallel_size=1`"
-        r" = 4, but the world size is 8",
+        match=r"should equal the world size \(8\), but `data_parallel_size=2` x `context_parallel_size=2` x"
+        r" `tensor_parallel_size=1` = 4\.",
     ):
         resolve_cp(2, 1, 2)
     with pytest.raises(MeshSizeError, match=r"`context_parallel_size=4` does not divide the 2 devices per node"):

@@ -63,15 +63,20 @@ def test_timeout_must_be_a_timedelta():
 
 
 def test_device_mesh_before_setup_says_when_it_will_exist():
-    with pytest.raises(RuntimeError, match=r"read before the mesh exists\. It is created in `setup_environment\(\)`"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"Accessing the device mesh before it exists is not allowed: .* created in `setup_environment\(\)`",
+    ):
         ModelParallelStrategy(identity).device_mesh
 
 
 def test_checkpoint_io_cannot_be_read_or_set():
     strategy = ModelParallelStrategy(identity)
-    with pytest.raises(NotImplementedError, match=r"does not use a `CheckpointIO` plugin"):
+    with pytest.raises(NotImplementedError, match=r"does not use the `CheckpointIO` plugin"):
         strategy.checkpoint_io
-    with pytest.raises(NotImplementedError, match=r"does not support a `CheckpointIO` plugin \(TorchCheckpointIO"):
+    with pytest.raises(
+        NotImplementedError, match=r"does not support setting a `CheckpointIO` plugin \(TorchCheckpointIO"
+    ):
         strategy.checkpoint_io = TorchCheckpointIO()
 
 

@@ -38,5 +38,5 @@ def test_lightning_sees_a_distributed_model_parallel_strategy():
     strategy = ModelParallelStrategy()
     assert isinstance(strategy, LightningStrategy)
     assert strategy.restore_checkpoint_after_setup and not strategy.lightning_restore_optimizer
-    with pytest.raises(RuntimeError, match=r"read before the mesh exists"):
+    with pytest.raises(RuntimeError, match=r"Accessing the device mesh before it exists is not allowed"):
         strategy.device_mesh

@@ -337,12 +337,13 @@ def _warn_unwritten(nodes: list[_Node], written: set[int]) -> None:
     if not totals:
         return
     listed = [f"`{path}` ({cls}{'' if count == numel else ', partly'})" for path, (cls, count, numel) in totals.items()]
+    classes = ", ".join(dict.fromkeys(cls for cls, _, _ in totals.values()))
     rank_zero_warn(
         "Parameter initialization incomplete: no initializer wrote these tensors, so they hold NaN (a marker,"
         f" for integers the smallest value) instead of values: {', '.join(listed)}. Their modules define no"
         " `reset_parameters()`, or a parent's `reset_parameters()` (or the root's `init_weights()`) that runs"
         " instead does not initialize them. Initialize them in one of those, or load a checkpoint before"
-        " training."
+        f" training. The modules holding them need a `reset_parameters()` method for re-initialization: {classes}."
     )
 
 

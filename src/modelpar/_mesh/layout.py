@@ -340,13 +340,15 @@ class MeshLayout:
             cp = context_parallel_size
             if cp > 1:
                 raise MeshSizeError(
-                    f"`data_parallel_size={dp}` x `context_parallel_size={cp}` x `tensor_parallel_size={tp}` ="
-                    f" {dp * cp * tp}, but the world size is {world_size * cp}. Choose sizes whose product is"
-                    f' {world_size * cp}, or pass "auto" for the data- or tensor-parallel size.'
+                    f"The sizes multiplied should equal the world size ({world_size * cp}), but"
+                    f" `data_parallel_size={dp}` x `context_parallel_size={cp}` x `tensor_parallel_size={tp}` ="
+                    f' {dp * cp * tp}. Choose sizes whose product is {world_size * cp}, or pass "auto" for the data-'
+                    " or tensor-parallel size."
                 )
             raise MeshSizeError(
-                f"`data_parallel_size={dp}` x `tensor_parallel_size={tp}` = {dp * tp}, but the world size is"
-                f' {world_size}. Choose sizes whose product is {world_size}, or pass "auto" for one of them.'
+                f"The sizes multiplied should equal the world size ({world_size}), but `data_parallel_size={dp}` x"
+                f' `tensor_parallel_size={tp}` = {dp * tp}. Choose sizes whose product is {world_size}, or pass "auto"'
+                " for one of them."
             )
         return dp, tp
 

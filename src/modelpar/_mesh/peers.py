@@ -17,6 +17,20 @@ from typing import Any, ClassVar
 __all__ = ["RankProcess", "StoreCall", "parse_neighbours"]
 
 
+class _RequestThread(threading.Thread):
+    """A store request's daemon thread, with the ``stop()`` that test suites' leftover-thread checks call on daemon
+    threads (Lightning's fails a test on a daemon thread without one): a request cannot be interrupted, so
+    ``stop()`` waits a bounded time for it to return; a heartbeat left in flight when a test ends returns at once.
+    """
+
+    def __init__(self, run: Callable[[Callable[[], Any]], None], fn: Callable[[], Any]) -> None:
+        super().__init__(target=run, args=(fn,), name="modelpar-store-request", daemon=True)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self is not threading.current_thread():
+            self.join(timeout)
+
+
 class StoreCall:
     """One store request on its own daemon thread, so that the watchdog can judge while it waits.
 
@@ -36,7 +50,7 @@ class StoreCall:
         self.result: Any = None
         self.error: BaseException | None = None
         self.finished = 0.0  # monotonic time of the answer
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="modelpar-store-request", daemon=True)
+        self._thread = _RequestThread(self._run, fn)
         with StoreCall._lock:
             StoreCall._live.add(self)
         self._thread.start()

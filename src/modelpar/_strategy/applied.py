@@ -25,8 +25,8 @@ def parallelized(parallelize_fn: Any, result: object) -> nn.Module:
     if not isinstance(result, nn.Module):
         name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
         raise TypeError(
-            f"`parallelize_fn` ({name}) must return the parallelized `nn.Module`, but it returned"
-            f" {type(result).__name__}. End it with `return model`."
+            f"The `parallelize_fn` ({name}) must return a `nn.Module` instance, the parallelized model, but it"
+            f" returned {type(result).__name__}. End it with `return model`."
         )
     return result
 

@@ -208,9 +208,9 @@ class ParallelCore:
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError(
-                f"`{self.strategy_name}.device_mesh` was read before the mesh exists. It is created in"
-                " `setup_environment()`: after `fabric.launch()` with Fabric, when `trainer.fit` starts with"
-                " the Trainer, or by calling `strategy.setup_environment()` yourself under torchrun."
+                f"Accessing the device mesh before it exists is not allowed: `{self.strategy_name}.device_mesh` is"
+                " created in `setup_environment()`: after `fabric.launch()` with Fabric, when `trainer.fit` starts"
+                " with the Trainer, or by calling `strategy.setup_environment()` yourself under torchrun."
             )
         return self._device_mesh
 

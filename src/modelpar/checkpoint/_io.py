@@ -70,7 +70,7 @@ def detect(path: Location | str) -> CheckpointFormat:
                 " save that wrote it did not finish. Load an earlier checkpoint."
             )
         raise ValueError(
-            f"The folder {str(path)!r} is not a distributed checkpoint: it has no {DCP_METADATA!r} file. Point to"
+            f"The folder {str(path)!r} does not point to a valid checkpoint: it has no {DCP_METADATA!r} file. Point to"
             " a folder written by `save_checkpoint` (or torch.distributed.checkpoint), or to a single-file"
             f" checkpoint.{describe_leftovers(path)}"
         )
@@ -169,8 +169,8 @@ def load(
 def _missing(path: Location, key: str, strict: bool, present: list[str]) -> None:
     if strict:
         raise CheckpointKeyError(
-            f"The checkpoint {str(path)!r} has no entry {key!r} (it has: {', '.join(map(repr, present)) or 'nothing'})."
-            " Pass `strict=False` to skip it."
+            f"The requested state contains a key {key!r} that does not exist in the checkpoint {str(path)!r} (it has:"
+            f" {', '.join(map(repr, present)) or 'nothing'}). Pass `strict=False` to skip it."
         )
 
 
@@ -285,8 +285,8 @@ def _load_distributed(
         missing = [name for name in module_state if f"{key}.{name}" not in saved]
         if strict and missing:
             raise CheckpointKeyError(
-                f"The checkpoint {str(path)!r} has no entry for {key!r} parameter {missing[0]!r}"
-                f" ({len(missing)} missing in all). Pass `strict=False` to load the rest."
+                f"The model {key!r} contains a key {missing[0]!r} that does not exist in the checkpoint"
+                f" {str(path)!r} ({len(missing)} missing in all). Pass `strict=False` to load the rest."
             )
         to_read[key] = {k: v for k, v in module_state.items() if k not in missing}
     optimizers = {}

@@ -95,8 +95,8 @@ def restore_metadata(
     missing = [k for k in requested if k not in saved]
     if strict and missing:
         raise CheckpointKeyError(
-            f"The checkpoint {path!r} has no entry {missing[0]!r} that the given state asks for (it has:"
-            f" {', '.join(repr(k) for k in saved) or 'nothing'}). Pass `strict=False` to skip missing keys."
+            f"The requested state contains a key {missing[0]!r} that does not exist in the checkpoint {path!r} (it"
+            f" has: {', '.join(repr(k) for k in saved) or 'nothing'}). Pass `strict=False` to skip missing keys."
         )
     remainder = dict(saved)
     for key, target in requested.items():

@@ -96,8 +96,13 @@ def load_full_model_state(module: nn.Module, full_state: Mapping[str, Any], *, s
     missing += [k for k in sorted(elsewhere) if k not in targets and k not in full_state]
     unexpected = [k for k in full_state if k not in targets and k not in elsewhere]
     if strict and (missing or unexpected):
+        first = (
+            f"The model contains a key {missing[0]!r} that does not exist in {where}"
+            if missing
+            else f"The state in {where} contains a key {unexpected[0]!r} that the model does not have"
+        )
         raise CheckpointKeyError(
-            f"The state in {where} does not match the model: {len(missing)} missing (e.g. {missing[:3]}),"
+            f"{first}: the state does not match the model, {len(missing)} missing (e.g. {missing[:3]}),"
             f" {len(unexpected)} unexpected (e.g. {unexpected[:3]}). Pass `strict=False` to load the matching"
             " entries only."
         )

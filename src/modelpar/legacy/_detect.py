@@ -25,9 +25,10 @@ def reject_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
     shown = ", ".join(repr(p) for p in paths[:8]) + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
     raise TypeError(
         f"The model passed to `{strategy_name}` has modules wrapped with FSDP1"
-        f" (`torch.distributed.fsdp.FullyShardedDataParallel`): {shown}. `{strategy_name}` shards with"
-        " FSDP2 and cannot take FSDP1 wrappers. Pass the unwrapped model and let the strategy shard it: give it the"
-        " classes you wrapped as `auto_wrap_policy={Block}` (or `fsdp_units={Block}`), as Lightning's"
+        f" (`torch.distributed.fsdp.FullyShardedDataParallel`): {shown}. `{strategy_name}` only supports the new"
+        " FSDP2 APIs in PyTorch >= 2.4 (`fully_shard`) and cannot take FSDP1 wrappers. Pass the unwrapped model"
+        " and let the strategy shard it: give it the classes you wrapped as `auto_wrap_policy={Block}` (or"
+        " `fsdp_units={Block}`), as Lightning's"
         " `FSDPStrategy` took them; or shard it in your `parallelize_fn` with"
         " `torch.distributed.fsdp.fully_shard(block, mesh=...)` on each block, then on the root. See"
         " docs/migrating-from-fsdp1.md."
