@@ -176,20 +176,20 @@ class CoreStrategyMixin:
         URLs: for a local path they are refused as Lightning's strategy refuses them (it has no ``CheckpointIO``).
         """
         text = self.broadcast(str(path))  # one path for all ranks, even if they computed different ones
+        location = self._core.checkpointer.location(text)
         if storage_options is None:
-            return self._core.checkpointer.location(text)
-        if not isinstance(storage_options, Mapping):
-            raise TypeError(
-                f"`storage_options` must be a dict of fsspec options for a URL, got {type(storage_options).__name__}."
-            )
-        location = to_location(text, {**self._core.checkpointer.storage_options, **storage_options})
-        if not isinstance(location, RemotePath):
+            return location
+        if not isinstance(location, RemotePath):  # whatever they are, as Lightning refuses any
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported for the local"
                 f" path {text!r}: the strategy writes local checkpoints with torch.distributed.checkpoint, not a"
                 " `CheckpointIO` plugin. Remove the argument; storage_options applies to URLs (s3://, gs:// ...)."
             )
-        return location
+        if not isinstance(storage_options, Mapping):
+            raise TypeError(
+                f"`storage_options` must be a dict of fsspec options for a URL, got {type(storage_options).__name__}."
+            )
+        return to_location(text, {**self._core.checkpointer.storage_options, **storage_options})
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         barrier(self.root_device)

@@ -136,7 +136,8 @@ class Checkpointer:
         split = split_state(state, known_modules)
         if not split.modules and not split.optimizers:
             raise ValueError(
-                "The checkpoint state contains no model and no optimizer. Pass them in like"
+                "Could not find a distributed model in the provided checkpoint state: it contains no model and no"
+                " optimizer. Pass them in like"
                 " `save(path, {'model': model, 'optimizer': optimizer, ...})`, set up through the strategy first."
             )
         tensors, metadata = _io.gather_state(split, full=full, filters=filter)

@@ -11,10 +11,21 @@ __all__ = ["find_fsdp1_modules", "reject_fsdp1_modules"]
 
 
 def find_fsdp1_modules(module: nn.Module) -> list[str]:
-    """Names (as in the unwrapped model) of the FSDP1-wrapped modules in ``module``; ``"<root>"`` for itself."""
-    return [
-        clean_name(name) or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)
-    ]
+    """Names (as in the unwrapped model) of the FSDP1-wrapped modules in ``module``; ``"<root>"`` for itself.
+
+    Found through ``modules()``, as Lightning's strategies look for them, then named through ``named_modules()``.
+    """
+    if not any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        return []
+    try:
+        named = [
+            clean_name(name) or "<root>"
+            for name, m in module.named_modules()
+            if isinstance(m, FullyShardedDataParallel)
+        ]
+    except TypeError:  # a stand-in module (a test double) whose named_modules() is not iterable: no names to give
+        named = []
+    return named or ["<a module that `named_modules()` does not list>"]
 
 
 def reject_fsdp1_modules(module: nn.Module, strategy_name: str) -> None:
