@@ -318,9 +318,10 @@ class ModelParallelStrategy(CoreStrategyMixin, _LightningModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write the Trainer's checkpoint dict atomically, in the same layout as Lightning's strategy."""
         path = self._checkpoint_path(filepath, storage_options)
-        assert self.model is not None
         write = functools.partial(  # the model and optimizers the state comes from (async full saves copy less)
-            self._core.checkpointer.write, live_modules=[self.model], live_optimizers=list(self.optimizers)
+            self._core.checkpointer.write,
+            live_modules=[self.model] if self.model is not None else [],
+            live_optimizers=list(self.optimizers),
         )
         if not self._core.save_distributed_checkpoint:  # the gathered model and optimizers, and the rest
             gathered = {k: v for k, v in checkpoint.items() if k in ("state_dict", "optimizer_states")}

@@ -8,6 +8,7 @@ runs a grid of cases; each case raises on a mismatch, so the harness reports the
 from __future__ import annotations
 
 import importlib
+import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -322,6 +323,22 @@ def case_checkpoint_round_trip_continues_like_reference(root: Path, dp: int, tp:
     return done
 
 
+def case_threads_left_pass_lightnings_check(before: set[threading.Thread]) -> dict[str, list[str]]:
+    """What Lightning's test suites do after every test (``thread_police_duuu_daaa_duuu_daaa``): stop each thread
+    the test started that is a daemon through its ``stop()`` and require it ended; any other thread still alive fails
+    the test. Here with the process group still there (as after Lightning's tests that do not destroy it), so the
+    watchdog's thread is certainly running: after a ``destroy_process_group`` it may already have ended itself."""
+    checked, left = [], []
+    for thread in set(threading.enumerate()) - before:
+        stop = getattr(thread, "stop", None)
+        if thread.daemon and callable(stop):
+            stop()
+            checked.append(thread.name)
+        if thread.is_alive():
+            left.append(thread.name)
+    return {"checked": sorted(checked), "left": left}
+
+
 # ---------------------------------------------------------------------------------------------------
 # grids (one spawn each)
 # ---------------------------------------------------------------------------------------------------
@@ -341,6 +358,7 @@ def grid_two_processes(namespace: str, root: Path) -> dict[str, Any]:
 
 def grid_two_nodes_of_two(namespace: str) -> dict[str, Any]:
     use_fabric_namespace(namespace)
+    threads = set(threading.enumerate())
     out: dict[str, Any] = {}
     out["train_auto"] = case_training_matches_reference("auto", "auto", 4, num_nodes=2)
     for dp, tp in ((4, 1), (1, 4)):
@@ -351,6 +369,7 @@ def grid_two_nodes_of_two(namespace: str) -> dict[str, Any]:
     out["collectives"] = case_collectives(4, num_nodes=2)
     for precision in _PRECISION_DTYPE:
         out[f"precision_{precision}"] = case_precision_matches_reference_in_same_precision(precision, 2)
+    out["threads"] = case_threads_left_pass_lightnings_check(threads)  # last: it stops the watchdog
     return out
 
 
@@ -435,7 +454,7 @@ def test_meta_device_init_is_materialized_consistently_on_every_rank(
 def test_bad_input_raises_the_same_clear_error_on_every_rank(two_process_results):
     messages = [r["errors"] for r in two_process_results]
     assert messages[0] == messages[1]
-    assert "the world size is 2" in messages[0]["sizes"] and 'pass "auto"' in messages[0]["sizes"]
+    assert "the world size (2)" in messages[0]["sizes"] and 'pass "auto"' in messages[0]["sizes"]
     assert "[1, 2]" in messages[0]["auto"]
 
 
@@ -453,6 +472,12 @@ def test_collectives_reduce_over_world_or_mesh_axis(two_process_results, two_nod
 def test_supported_precisions_train_like_reference_in_same_precision(two_node_results, precision):
     results = [r[f"precision_{precision}"] for r in two_node_results]
     assert len({r["loss"] for r in results}) == 1
+
+
+def test_the_threads_a_run_leaves_pass_the_leftover_thread_check_of_lightnings_test_suites(two_node_results):
+    for rank, result in enumerate(r["threads"] for r in two_node_results):
+        assert "modelpar-peer-watchdog" in result["checked"], (rank, result)  # the check saw the watchdog
+        assert result["left"] == [], (rank, result)
 
 
 def test_bf16_mixed_policy_gives_fp32_losses_that_match_autocast(two_node_results):
