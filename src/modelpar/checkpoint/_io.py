@@ -92,7 +92,7 @@ def _detect_remote(path: RemotePath) -> CheckpointFormat:
         if state in ("complete", "foreign"):
             return CheckpointFormat.DISTRIBUTED
         raise ValueError(
-            f"{str(path)!r} is not a distributed checkpoint: it has no {DCP_METADATA!r} object. Point to a"
+            f"{str(path)!r} does not point to a valid checkpoint: it has no {DCP_METADATA!r} object. Point to a"
             " checkpoint written by `save_checkpoint` (or torch.distributed.checkpoint), or to a single-file one."
         )
     raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}: nothing exists at that URL.")
