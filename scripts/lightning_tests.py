@@ -78,28 +78,19 @@ def convert(text: str, *, ours: bool, framework: str, integration: bool) -> str:
     return text
 
 
+def pytest(root: Path, env: dict[str, str], *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def collect(root: Path, path: str, env: dict[str, str]) -> list[str]:
-    found = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    return [line for line in found.stdout.splitlines() if "::" in line]
+    return [line for line in pytest(root, env, "--collect-only", path).stdout.splitlines() if "::" in line]
 
 
 def run(root: Path, target: str, env: dict[str, str], timeout: float) -> tuple[bool, float, list[str]]:
     start = time.monotonic()
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", target],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        done = pytest(root, env, "-x", target, timeout=timeout)
         output, ok = done.stdout + done.stderr, done.returncode == 0
     except subprocess.TimeoutExpired as expired:
         output, ok = f"timed out after {timeout:g} s\n{expired.stdout or ''}", False
