@@ -41,8 +41,8 @@ from torch.distributed.fsdp import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from modelpar._mesh.layout import SizeArg
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT, all_reduce
+from modelpar._mesh.sizes import SizeArg
 from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT
 from modelpar._strategy.adapter import CoreStrategyMixin
 from modelpar._strategy.core import ParallelCore, ParallelizeFn

@@ -40,10 +40,17 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from modelpar._errors import MeshSizeError
 from modelpar._mesh.groups import group_options, group_timeout, world_group_reusable
+from modelpar._mesh.sizes import (
+    SizeArg,
+    check_context_parallel_size,
+    check_expert_parallel_size,
+    check_pipeline_parallel_size,
+    check_size_arg,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -57,12 +64,7 @@ __all__ = [
     "PIPELINE_PARALLEL_AXIS",
     "TOKEN_AXIS",
     "MeshLayout",
-    "SizeArg",
     "SHARD_CONTEXT_AXIS",
-    "check_context_parallel_size",
-    "check_expert_parallel_size",
-    "check_pipeline_parallel_size",
-    "check_size_arg",
 ]
 
 #: Axis names of the 2-D mesh, outermost first. Data parallel is outermost so that tensor-parallel peers
@@ -93,58 +95,11 @@ EXPERT_PARALLEL_AXIS = "expert_parallel"
 #: FSDP-shard them (torchtitan's ``dp_shard_mod_ep``).
 EXPERT_SHARD_AXIS = "expert_data_parallel"
 
-SizeArg = Literal["auto"] | int
-
 #: torch warns when a flattened axis is sliced from the root mesh, asking callers to keep the flattened mesh
 #: themselves. ``device_mesh["data_parallel"]`` is this library's documented contract (Lightning-style code
 #: relies on it), so the warning is silenced for that message only; the test suite runs against each
 #: supported torch and would catch the day slicing stops working.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
-
-
-def check_size_arg(name: str, value: object) -> None:
-    """Reject anything but a positive int or ``"auto"`` (``bool`` is an ``int`` to Python, not to us).
-
-    :class:`MeshSizeError` (a ``ValueError``): Lightning's strategy does not check them and mostly fails
-    later, in its product check, with the ``RuntimeError`` the class derives from as well.
-    """
-    if value == "auto" and isinstance(value, str):
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`{name}={value!r}` is not a valid size. Pass a positive integer (the number of processes"
-            f' along the {name.replace("_size", "").replace("_", "-")} axis) or "auto".'
-        )
-
-
-def check_context_parallel_size(value: object) -> int:
-    """Reject anything but a positive int: the sequence split has no sensible ``"auto"`` (it depends on the length)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`context_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
-            " that split each sequence (1 turns context parallelism off)."
-        )
-    return value
-
-
-def check_expert_parallel_size(value: object) -> int:
-    """Reject anything but a positive int: how many ranks split the experts is a model decision, not ``"auto"``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`expert_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
-            " that split each MoE layer's experts (1 turns expert parallelism off)."
-        )
-    return value
-
-
-def check_pipeline_parallel_size(value: object) -> int:
-    """Reject anything but a positive int: how many stages to cut the model into is a model decision, not "auto"."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`pipeline_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
-            " along the pipeline, each holding other stages of the model (1 turns pipeline parallelism off)."
-        )
-    return value
 
 
 def _divisors(n: int) -> list[int]:

@@ -30,9 +30,9 @@ from modelpar._mesh.layout import (
     SHARD_CONTEXT_AXIS,
     TOKEN_AXIS,
     MeshLayout,
-    SizeArg,
 )
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_process_group
+from modelpar._mesh.sizes import SizeArg
 from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
 from modelpar._strategy.default_plan import default_plan

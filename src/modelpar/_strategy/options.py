@@ -15,14 +15,14 @@ from typing import Any
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from modelpar._mesh.layout import (
+from modelpar._mesh.process_group import DEFAULT_TIMEOUT
+from modelpar._mesh.sizes import (
     SizeArg,
     check_context_parallel_size,
     check_expert_parallel_size,
     check_pipeline_parallel_size,
     check_size_arg,
 )
-from modelpar._mesh.process_group import DEFAULT_TIMEOUT
 from modelpar._mesh.watchdog import DEFAULT_PEER_TIMEOUT, PeerTimeoutArg, resolve_peer_timeout
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl
 from modelpar.float8._spec import Float8Recipe, Float8Training, float8_spec

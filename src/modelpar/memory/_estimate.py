@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from modelpar._mesh.layout import MeshLayout, check_size_arg
+from modelpar._mesh.layout import MeshLayout
+from modelpar._mesh.sizes import check_size_arg
 from modelpar._strategy.precision import SUPPORTED_PRECISIONS
 from modelpar._train.fsdp import FSDPOptions
 from modelpar._train.grad_sync import AccumulationMode, GradientSyncControl

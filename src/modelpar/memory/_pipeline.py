@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from modelpar._mesh.layout import check_pipeline_parallel_size
+from modelpar._mesh.sizes import check_pipeline_parallel_size
 from modelpar.memory._activations import ActivationEstimate, ActivationSetting, DecoderShape, activation_bytes
 from modelpar.memory._moe import all_to_all_bytes
 from modelpar.memory._schedule import PipelineEstimate, RankUsage, StageTerms, rank_peak, schedule_ops
