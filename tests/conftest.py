@@ -35,6 +35,14 @@ PROCESS_FOLDER = "tests/distributed/"
 #: 20-30% of their time one core idle while a launcher imports torch). They run on the other worker, with the
 #: one-process tests, beside the process tests: each side gets the core time the other leaves idle.
 PROGRAMS = ("test_docs_run.py", "test_examples.py", "test_hf_examples.py")
+#: Tests of the process folder that also run a program under a real ``torchrun`` and time nothing but its own
+#: generous deadline: they run beside the process tests too, which balances the two workers (on 2 cores the process
+#: side took 1,017 s and this side 850 s; these three take about 73 s).
+PROGRAM_TESTS = (
+    "tests/distributed/test_standalone.py::test_standalone_under_torchrun_detects_environment_and_matches_reference",
+    "tests/distributed/test_standalone.py::test_standalone_on_two_simulated_nodes_resolves_auto_to_2x2",
+    "tests/distributed/test_checkpoint_run.py::test_a_run_killed_at_step_7_under_torchrun_restarts_from_step_5_with_bit",
+)
 #: One-process tests that time threads (a heartbeat seen within a few seconds): they run with the process tests, one
 #: after another, as before. Beside a 4-rank spawn, two of them failed once on torch 2.11 (passing alone).
 TIMED = ("tests/unit/test_watchdog.py",)
@@ -43,7 +51,8 @@ TIMED = ("tests/unit/test_watchdog.py",)
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, nothing calls this
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Two workers (``scripts/test.sh`` runs ``-n 2``): one runs the tests of :data:`PROCESS_FOLDER` and :data:`TIMED`, the other
-    :data:`PROGRAMS` and the one-process tests; each in collection order (module-scoped spawns are shared as before).
+    :data:`PROGRAMS`, :data:`PROGRAM_TESTS` and the one-process tests; each in collection order (module-scoped
+    spawns are shared as before).
 
     On 2 cores the serial suite left a fifth of its core time idle (a launcher importing torch, a one-process
     test's single thread); on two workers, 7-12% (the CHANGELOG has the timings). The scheduler
@@ -55,6 +64,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class TwoSides(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if nodeid.startswith(PROGRAM_TESTS):
+                return "beside"
             if path in TIMED or (path.startswith(PROCESS_FOLDER) and path.rsplit("/", 1)[-1] not in PROGRAMS):
                 return "processes"
             return "beside"
