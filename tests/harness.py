@@ -60,6 +60,7 @@ _PRELOAD = [
     "pytorch_lightning",
     "lightning.pytorch",
     "modelpar",
+    "modelpar.fabric",
     "modelpar.hf",
     "modelpar.trainer",
     "transformers.quantizers.auto",

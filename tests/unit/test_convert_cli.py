@@ -318,6 +318,38 @@ def test_cli_reports_errors_in_one_line_with_exit_code_2(tmp_path, capsys):
     assert "--model-only and --dtype apply when converting to a file (--to file) only" in capsys.readouterr().err
 
 
+WITHOUT_LIGHTNING = textwrap.dedent(
+    """
+    import sys
+
+    class NoLightning:  # an import of Lightning fails here, so a module that needs it shows up as an error
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("lightning", "lightning_fabric", "pytorch_lightning"):
+                raise ImportError(f"{name} imported")
+
+    sys.meta_path.insert(0, NoLightning())
+    import modelpar
+    from modelpar._cli import main
+
+    # What `import modelpar` reached before its names became lazy is still reached, without Lightning.
+    reached = [modelpar.checkpoint.save_state, modelpar.memory.estimate_memory, modelpar.estimate_memory,
+               modelpar.plans.ParallelPlan, modelpar.models.Llama, modelpar.pipeline.OFFERED_SCHEDULES,
+               modelpar.float8.RECIPES, modelpar.moe, modelpar.legacy, modelpar.context, modelpar.MeshLayout,
+               modelpar.fsdp_kwargs, modelpar.clip_grad_norm, modelpar.SUPPORTED_PRECISIONS]
+    folder, out = sys.argv[1:]
+    print(main(["inspect", folder]), main(["convert", folder, out]), main(["estimate", "--llama", "{}", "--dp", "2"]))
+    """
+)
+
+
+def test_the_command_line_checkpoints_and_the_estimate_run_without_importing_lightning(source, tmp_path):
+    # Lightning's package import costs ~3 s of CPU (Fabric, torchmetrics, transformers): only a run should pay it.
+    command = [sys.executable, "-c", WITHOUT_LIGHTNING, str(source[0]), str(tmp_path / "full.pt")]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.splitlines()[-1] == "0 0 0", child.stdout[-3000:] + child.stderr[-3000:]
+
+
 MEMORY_CHILD = textwrap.dedent(
     """
     import re, sys

@@ -79,12 +79,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from modelpar._init.full_size import Scratch, device_rng, own_tensors, run_hook
 from modelpar._init.unwritten import mark_unwritten, unwritten_mask
+from modelpar._rank_zero import rank_zero_warn
 
 __all__ = ["has_meta_tensors", "materialize_module"]
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.environments import ClusterEnvironment
-from lightning_fabric.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
@@ -34,6 +33,7 @@ from modelpar._mesh.layout import (
 from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_process_group
 from modelpar._mesh.sizes import SizeArg
 from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
+from modelpar._rank_zero import rank_zero_warn
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
 from modelpar._strategy.default_plan import default_plan
 from modelpar._strategy.float8 import keep_scales_current, with_float8

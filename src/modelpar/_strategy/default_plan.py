@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from lightning_fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from modelpar._rank_zero import rank_zero_info, rank_zero_warn
 from modelpar.float8._spec import Float8Training
 from modelpar.plans import ParallelPlan
 from modelpar.plans._checks import resolve_units

@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from modelpar._init.materialize import has_meta_tensors
 from modelpar._init.placement import materialize, offloads
 from modelpar._mesh.layout import PIPELINE_PARALLEL_AXIS
 from modelpar._mesh.submeshes import token_mesh
+from modelpar._rank_zero import rank_zero_info, rank_zero_warn
 from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
 from modelpar._strategy.float8 import keep_scales_current
 from modelpar.checkpoint._names import clean_name

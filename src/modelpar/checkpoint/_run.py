@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_fabric.utilities import rank_zero_warn
 
+from modelpar._rank_zero import rank_zero_warn
 from modelpar.checkpoint._agree import run_agreed
 from modelpar.checkpoint._checkpointer import Checkpointer
 from modelpar.checkpoint._format import DCP_METADATA

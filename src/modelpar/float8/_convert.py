@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
-from lightning_fabric.utilities import rank_zero_info
 from torch import nn
 
+from modelpar._rank_zero import rank_zero_info
 from modelpar.float8._spec import Float8Training
 from modelpar.float8._state import keep_state_dicts_plain
 from modelpar.float8._torchao import require_torchao
