@@ -8,7 +8,7 @@ plans live in :mod:`modelpar.plans`, small reference models in :mod:`modelpar.mo
 
 The names below other than the error types are imported when first used (PEP 562), not with the package: a
 subpackage such as :mod:`modelpar.checkpoint`, and the ``modelpar`` command line, then start without importing
-Lightning (about 3 s of CPU per process). ``from modelpar import ModelParallelStrategy`` works as before and
+Lightning (about 2.5 s of CPU per process). ``from modelpar import ModelParallelStrategy`` works as before and
 registers the strategy with every installed Lightning namespace on that first use.
 """
 
