@@ -3,7 +3,7 @@
 Lightning's ``rank_zero_warn`` / ``rank_zero_info`` are the channel users already filter and configure (its
 ``lightning_fabric.utilities.rank_zero`` logger, its per-rank gate), so modelpar keeps using them. But importing
 anything under ``lightning_fabric`` imports the whole package (its ``__init__`` loads Fabric, torchmetrics and,
-through them, transformers and ``torch._dynamo``: about 3 s of CPU). The parts of modelpar that work without
+through them, transformers and ``torch._dynamo``: about 2.5 s of CPU). The parts of modelpar that work without
 Lightning (checkpoints, the memory estimate, the ``modelpar`` command line) call these instead, so they pay that
 only where a message is actually sent, and a process that never trains never pays it.
 """

@@ -36,31 +36,34 @@ def check_size_arg(name: str, value: object) -> None:
         )
 
 
+def _positive_size(name: str, value: object, meaning: str) -> int:
+    """``value`` if it is a positive int, else a :class:`MeshSizeError` saying what the size counts (``meaning``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshSizeError(f"`{name}={value!r}` is not a valid size. Pass a positive integer: {meaning}.")
+    return value
+
+
 def check_context_parallel_size(value: object) -> int:
     """Reject anything but a positive int: the sequence split has no sensible ``"auto"`` (it depends on the length)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`context_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
-            " that split each sequence (1 turns context parallelism off)."
-        )
-    return value
+    return _positive_size(
+        "context_parallel_size", value, "the number of ranks that split each sequence (1 turns context parallelism off)"
+    )
 
 
 def check_expert_parallel_size(value: object) -> int:
     """Reject anything but a positive int: how many ranks split the experts is a model decision, not ``"auto"``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`expert_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
-            " that split each MoE layer's experts (1 turns expert parallelism off)."
-        )
-    return value
+    return _positive_size(
+        "expert_parallel_size",
+        value,
+        "the number of ranks that split each MoE layer's experts (1 turns expert parallelism off)",
+    )
 
 
 def check_pipeline_parallel_size(value: object) -> int:
     """Reject anything but a positive int: how many stages to cut the model into is a model decision, not "auto"."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MeshSizeError(
-            f"`pipeline_parallel_size={value!r}` is not a valid size. Pass a positive integer: the number of ranks"
-            " along the pipeline, each holding other stages of the model (1 turns pipeline parallelism off)."
-        )
-    return value
+    return _positive_size(
+        "pipeline_parallel_size",
+        value,
+        "the number of ranks along the pipeline, each holding other stages of the model (1 turns pipeline"
+        " parallelism off)",
+    )
