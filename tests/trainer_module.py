@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from modelpar.plans import parallelize_llama
-from parity import CFG, GLOBAL_BATCH, global_batches, lm_loss, reference_model
+from parity import CFG, GLOBAL_BATCH, adamw, global_batches, lm_loss, reference_model
 
 LR = 1e-2
 GAMMA = 0.8
@@ -97,7 +97,7 @@ class _LlamaBody:
         return self.model(x).argmax(-1)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=LR)  # type: ignore[attr-defined]
+        optimizer = adamw(self.parameters(), lr=LR)  # type: ignore[attr-defined]
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -196,7 +196,7 @@ def reference_run(
 ) -> tuple[torch.nn.Module, list[float]]:
     """What the Trainer runs must reproduce: the same steps in plain PyTorch on one process."""
     model = reference_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
     batches = global_batches(accumulate)
     losses = []

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for parity and harness
@@ -27,7 +26,7 @@ from harness import PG_TIMEOUT
 from modelpar import ModelParallelStrategy
 from modelpar.checkpoint import RunCheckpoints
 from modelpar.plans import parallelize_llama
-from parity import global_batches, lm_loss, reference_model
+from parity import adamw, global_batches, lm_loss, reference_model
 
 STEPS = 10
 KILL_AT = 7
@@ -52,7 +51,7 @@ def main(out_dir: Path, run_dir: str) -> None:
     strategy.setup_environment()
     rank = dist.get_rank()
     model = strategy.setup_module(reference_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     run = RunCheckpoints(run_dir, every_n_steps=5, keep_last=2)
     start = run.resume(strategy, state)
@@ -67,7 +66,7 @@ def main(out_dir: Path, run_dir: str) -> None:
         out.write_text(json.dumps(record))
     run.close()
     fresh = strategy.setup_module(reference_model())  # the uninterrupted run
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt = adamw(fresh.parameters(), lr=1e-2)
     record["reference"] = {step: train_step(strategy, fresh, fresh_opt, step) for step in range(1, STEPS + 1)}
     out.write_text(json.dumps(record))
     strategy.teardown()

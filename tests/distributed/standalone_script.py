@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for pari
 from harness import PG_TIMEOUT
 from modelpar import ModelParallelStrategy
 from modelpar.plans import parallelize_llama
-from parity import assert_matches, global_batches, lm_loss, reference_model
+from parity import adamw, assert_matches, global_batches, lm_loss, reference_model
 
 
 def main(out_dir: Path) -> None:
@@ -28,8 +28,8 @@ def main(out_dir: Path) -> None:
     mesh = strategy.device_mesh
     ref = reference_model()
     model = strategy.setup_module(copy.deepcopy(ref))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
+    ref_opt = adamw(ref.parameters(), lr=1e-2)
     kw = strategy.distributed_sampler_kwargs
     losses = []
     for x, y in global_batches(3):
@@ -48,7 +48,7 @@ def main(out_dir: Path) -> None:
     ckpt = strategy.broadcast(str(out_dir / "ckpt"))
     strategy.save_checkpoint(ckpt, {"model": model, "optimizer": optimizer, "step": 3})
     fresh = strategy.setup_module(reference_model(seed=1))
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt = adamw(fresh.parameters(), lr=1e-2)
     state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
     strategy.load_checkpoint(ckpt, state)
     assert_matches(fresh, ref, "param")
@@ -75,8 +75,8 @@ def _pipeline_steps() -> float:
     strategy.setup_environment()
     ref = reference_model()
     model = strategy.setup_module(copy.deepcopy(ref))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
+    ref_opt = adamw(ref.parameters(), lr=1e-2)
     kw = strategy.distributed_sampler_kwargs
     worst = 0.0
     for x, y in global_batches(2):

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from harness import run_distributed
 from modelpar.checkpoint import Checkpointer
-from parity import global_batches, lm_loss, local_slice, make_fabric, reference_model
+from parity import adamw, global_batches, lm_loss, local_slice, make_fabric, reference_model
 
 LR = 1e-2
 CASES = [(2, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)]  # (dp, tp, distributed)
@@ -128,7 +128,7 @@ def case_snapshot(root: Path, disk: SlowDisk, dp: int, tp: int, distributed: boo
     tag = f"{dp}x{tp}-{'dist' if distributed else 'full'}"
     fabric = make_fabric(dp, tp, world_size=2, save_distributed_checkpoint=distributed, async_save=True)
     model = fabric.setup_module(reference_model())
-    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    opt = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
     train(fabric, model, opt, steps=2, seed=1)
     meta = {"epoch": 3, "losses": [0.5, 0.25], "ema": torch.tensor([1.0, 2.0]), "sched": {"lr": LR}}
 
@@ -147,7 +147,7 @@ def case_snapshot(root: Path, disk: SlowDisk, dp: int, tp: int, distributed: boo
     disk.release()
 
     loaded = fabric.setup_module(reference_model(seed=7))
-    loaded_opt = fabric.setup_optimizers(torch.optim.AdamW(loaded.parameters(), lr=LR))
+    loaded_opt = fabric.setup_optimizers(adamw(loaded.parameters(), lr=LR))
     train(fabric, loaded, loaded_opt, steps=1, seed=3)  # optimizer state exists, so loading must overwrite it
     state = {"model": loaded, "optimizer": loaded_opt, "meta": None}
     fabric.load(root / tag, state)  # waits for the background write
@@ -177,7 +177,7 @@ def case_staged_once(root: Path) -> dict[str, Any]:
     for distributed in (False, True):
         fabric = make_fabric(2, 1, world_size=2, save_distributed_checkpoint=distributed, async_save=True)
         model = fabric.setup_module(reference_model())
-        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        opt = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
         train(fabric, model, opt, steps=1, seed=1)
         options = StateDictOptions(full_state_dict=not distributed)
         state = {"model": get_model_state_dict(model.module, options=options)}
@@ -328,7 +328,7 @@ def test_async_saves_write_the_state_at_save_time_while_the_training_goes_on(spa
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP without a process group
 def test_async_staging_copies_are_reused_while_shapes_match_and_released_by_close(tmp_path):
     model = nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = adamw(model.parameters(), lr=LR)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     checkpointer = Checkpointer(async_save=True)

@@ -21,14 +21,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from harness import run_distributed
 from modelpar.checkpoint import load_state, save_state
-from parity import global_batches, lm_loss, make_fabric, reference_model
+from parity import adamw, global_batches, lm_loss, make_fabric, reference_model
 
 LR = 1e-2
 
 
 def trained_reference() -> tuple[nn.Module, torch.optim.Optimizer]:
     model = reference_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = adamw(model.parameters(), lr=LR)
     for x, y in global_batches(2):
         lm_loss(model(x), y).backward()
         opt.step()
@@ -52,7 +52,7 @@ def assert_same_as_truth(model: nn.Module, opt: torch.optim.Optimizer, where: st
 def fresh(fabric: Any) -> tuple[Any, Any]:
     """A sharded model from another seed with an optimizer whose state exists (so loading must overwrite)."""
     model = fabric.setup_module(reference_model(seed=7))
-    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    opt = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
     x, y = global_batches(1, seed=99)[0]
     fabric.backward(lm_loss(model(x), y))
     opt.step()
@@ -277,7 +277,7 @@ def case_several_models_and_bad_files(root: Path) -> dict[str, Any]:
         fabric = make_fabric(2, 2, world_size=4, num_nodes=2, save_distributed_checkpoint=distributed)
         gen, gen_opt = fresh(fabric)
         disc = fabric.setup_module(reference_model(seed=3))
-        disc_opt = fabric.setup_optimizers(torch.optim.AdamW(disc.parameters(), lr=LR))
+        disc_opt = fabric.setup_optimizers(adamw(disc.parameters(), lr=LR))
         fabric.save(root / f"two-{tag}", {"gen": gen, "gen_opt": gen_opt, "disc": disc, "disc_opt": disc_opt})
         gen2, gen_opt2 = fresh(fabric)
         disc2, disc_opt2 = fresh(fabric)
@@ -358,7 +358,7 @@ def test_distributed_checkpoints_reshard_between_all_layouts(matrix):
 def test_every_layout_checkpoint_loads_into_a_plain_single_process_module(matrix):
     for src in ("2x1", "1x2", "2x2", "4x1", "1x4"):
         model = reference_model(seed=7)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = adamw(model.parameters(), lr=LR)
         state = {"model": model, "optimizer": opt, "step": 0}
         load_state(matrix["root"] / src, state)
         assert state["step"] == 2
@@ -405,7 +405,7 @@ def test_a_2x2_checkpoint_converts_to_one_file_and_back_offline(matrix, tmp_path
     convert_to_distributed(tmp_path / "one.pt", tmp_path / "again", progress=False)
     for src in (tmp_path / "one.pt", tmp_path / "again"):
         model = reference_model(seed=7)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = adamw(model.parameters(), lr=LR)
         state = {"model": model, "optimizer": opt, "step": 0}
         load_state(src, state)
         assert state["step"] == 2

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from harness import run_distributed
 from modelpar.checkpoint import load_state, save_state
-from parity import make_fabric, reference_model
+from parity import adamw, make_fabric, reference_model
 
 #: name -> (data_parallel_size, tensor_parallel_size, data_parallel_replicate_size)
 HSDP = {"2x2x1": (4, 1, 2), "2x1x2": (2, 2, 2)}
@@ -132,7 +132,7 @@ def test_hsdp_checkpoints_load_exactly_into_one_process_without_a_process_group(
     path = _path(hsdp["root"], layout, fmt)
     assert path.is_dir() if fmt == "dist" else path.is_file()
     model = reference_model(seed=7)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = adamw(model.parameters(), lr=LR)
     state = {"model": model, "optimizer": opt, "step": 0}
     load_state(path, state)
     assert state["step"] == 2

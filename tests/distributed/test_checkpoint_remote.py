@@ -33,7 +33,7 @@ from harness import run_distributed
 from modelpar import CheckpointNotFoundError
 from modelpar.checkpoint import describe_checkpoint, load_state, save_state
 from modelpar.checkpoint._remote import RemotePath, to_location
-from parity import make_fabric, reference_model
+from parity import adamw, make_fabric, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_checkpoints_at_a_url_reshard_between_layouts_in_both_formats(remote):
 
 def test_a_url_checkpoint_loads_in_one_process_and_is_described_offline(remote):
     model = reference_model(seed=7)
-    opt = torch.optim.AdamW(model.parameters())
+    opt = adamw(model.parameters())
     load_state(f"{remote['url']}/2x2", {"model": model, "optimizer": opt})
     truth, _ = trained_reference()
     torch.testing.assert_close(model.state_dict(), truth.state_dict(), atol=0, rtol=0)

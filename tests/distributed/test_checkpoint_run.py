@@ -28,7 +28,7 @@ from modelpar import ModelParallelStrategy
 from modelpar.checkpoint import Checkpointer, RunCheckpoints
 from modelpar.checkpoint._remote import to_location
 from modelpar.plans import parallelize_llama
-from parity import full, global_batches, lm_loss, reference_model
+from parity import adamw, full, global_batches, lm_loss, reference_model
 from trainer_module import GLOBAL_BATCH, lightning, loader, quiet_trainer
 
 SCRIPT = Path(__file__).with_name("resume_script.py")
@@ -66,7 +66,7 @@ def case_retention_and_resume(strategy: Any, where: str, saver: str, full_format
             (location / "step-000000001" / ".modelpar-writing").write_bytes(b"{}")
     dist.barrier()
     model = strategy.setup_module(reference_model())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
     use = Checkpointer() if saver == "checkpointer" else strategy
     run = RunCheckpoints(where, every_n_steps=2, keep_last=2, full=full_format)
     saved = []
@@ -87,7 +87,7 @@ def case_retention_and_resume(strategy: Any, where: str, saver: str, full_format
             (location / "step-000000009" / "__0_0.distcp").write_bytes(b"half")
     dist.barrier()
     fresh = strategy.setup_module(reference_model(seed=1))
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt = adamw(fresh.parameters(), lr=1e-2)
     state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

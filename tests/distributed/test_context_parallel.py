@@ -25,6 +25,7 @@ from modelpar.context import cross_entropy, shard_batch
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, ParallelPlan, loss_parallel
 from parity import (
+    adamw,
     assert_matches,
     error_text,
     fsdp_blocks_only,
@@ -73,8 +74,8 @@ def case_llama_trains_like_one_process(
     torch.manual_seed(0)
     ref = Llama(CFG)
     model = fabric.setup_module(copy.deepcopy(ref))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2, weight_decay=0.1))
+    ref_opt = adamw(ref.parameters(), lr=1e-2, weight_decay=0.1)
     kernel = model.module.layers[0].attention.attention_kernel
     out: dict[str, Any] = {"kernel": type(kernel).__name__, "axes": mesh.mesh_dim_names, "losses": []}
     for step, (x, y) in enumerate(batches(STEPS, padded=padded)):
@@ -128,8 +129,8 @@ def case_hf_trains_like_one_process(family: str, dp: int, tp: int, cp: int) -> d
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config)
     model = fabric.setup_module(copy.deepcopy(ref))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-3, weight_decay=0.1))
+    ref_opt = adamw(ref.parameters(), lr=1e-3, weight_decay=0.1)
     out: dict[str, Any] = {"implementation": model.module.config._attn_implementation}
     for x, y in batches(STEPS, padded=True):
         mask = (y != IGNORE) | (torch.arange(SEQ) == 0)  # a real token where it is followed by one (or starts)
@@ -168,7 +169,7 @@ def case_checkpoints_move_between_context_parallel_sizes(root: str) -> dict[str,
         fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=LLAMA_PLAN, context_parallel_size=cp)
         torch.manual_seed(index)  # a different init each time: only the checkpoint can make them equal
         model = fabric.setup_module(Llama(CFG))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2))
         state = {"model": model, "optimizer": optimizer}
         if index == 0:
             x, y = batches(1)[0]

@@ -34,7 +34,7 @@ from memory_probe import peak_kept_for_backward, saved_for_backward
 from modelpar import estimate_memory
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, loss_parallel
-from parity import CFG, global_batches, lm_loss, local_slice, make_fabric
+from parity import CFG, adamw, global_batches, lm_loss, local_slice, make_fabric
 
 #: parity's model with a vocabulary that 4 does not divide (66 = 4 x 17 - 2), so padding shows.
 PADDED_CFG = replace(CFG, vocab_size=66)
@@ -59,7 +59,7 @@ def case_measure(dp: int, tp: int, replicate: int, precision: str) -> dict[str, 
     with fabric.init_module(empty_init=True):
         model: nn.Module = Llama(PADDED_CFG)
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-3))
     x, y = global_batches(1)[0]
     fabric.backward(lm_loss(model(local_slice(fabric, x)), local_slice(fabric, y)))
     optimizer.step()
@@ -171,7 +171,7 @@ def case_pipeline() -> dict[str, Any]:
     with fabric.init_module(empty_init=True):
         model: nn.Module = Llama(PP_CFG)
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-3))
     batch = ACT_BATCH * PP_MICROBATCHES
     tokens = torch.randint(0, PP_CFG.vocab_size, (batch, ACT_SEQ), generator=torch.Generator().manual_seed(3))
 

@@ -23,7 +23,7 @@ from modelpar import estimate_memory
 from modelpar.models import Llama, LlamaConfig
 from modelpar.models.moe import MoE
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN, ParallelPlan
-from parity import assert_matches, error_text, fsdp_blocks_only, full_state, local_slice, make_fabric
+from parity import adamw, assert_matches, error_text, fsdp_blocks_only, full_state, local_slice, make_fabric
 
 STEPS = 3
 SEQ = 8
@@ -56,8 +56,8 @@ def case_moe_trains_like_one_process(dp: int, tp: int, ep: int, **kw: Any) -> di
     torch.manual_seed(0)
     ref = Llama(CFG_AUX)
     model = fabric.setup_module(copy.deepcopy(ref))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2, weight_decay=0.1))
+    ref_opt = adamw(ref.parameters(), lr=1e-2, weight_decay=0.1)
     w1 = model.module.layers[0].moe.experts.w1
     out: dict[str, Any] = {
         "axes": fabric.strategy.device_mesh.mesh_dim_names,
@@ -184,7 +184,7 @@ def case_checkpoints_move_between_expert_parallel_sizes(root: str) -> dict[str, 
         fabric = make_fabric(dp, tp, world_size=4, parallelize_fn=LLAMA_MOE_PLAN, expert_parallel_size=ep)
         torch.manual_seed(index)  # a different init each time: only the checkpoint can make them equal
         model = fabric.setup_module(Llama(CFG))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2))
         state = {"model": model, "optimizer": optimizer}
         if index == 0:
             x, y = batches(1)[0]

@@ -28,6 +28,7 @@ from modelpar.plans import parallelize_llama
 from parity import (
     CFG,
     FABRIC_NAMESPACES,
+    adamw,
     assert_matches,
     global_batches,
     lm_loss,
@@ -308,7 +309,7 @@ def case_checkpoint_round_trip_continues_like_reference(root: Path, dp: int, tp:
         # a fresh pair with other weights and no optimizer state: loading must overwrite everything
         fabric = make_fabric(tp, dp, world_size=2, save_distributed_checkpoint=distributed)  # another layout
         model = fabric.setup_module(reference_model(seed=5))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+        optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2, weight_decay=0.1))
         state = {"model": model, "optimizer": optimizer, "step": 0}
         remainder = fabric.load(path, state)
         assert state["step"] == 1 and remainder == {}, (state["step"], remainder)

@@ -33,7 +33,7 @@ from modelpar.float8 import Float8Training, convert
 from modelpar.models import Llama, LlamaConfig
 from modelpar.pipeline._run import pipeline_of
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN, ParallelPlan
-from parity import shard_difference
+from parity import adamw, shard_difference
 
 # Every size a multiple of 16 per tensor-parallel rank of 2 (the LM head stays high precision).
 CFG = LlamaConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=16)
@@ -212,7 +212,7 @@ def _checkpoints(folder: str) -> dict[str, float]:
     """Float8 tensorwise at 2x2 -> a distributed checkpoint -> no float8 at 4x1 -> a full file -> rowwise at 2x2."""
     fabric = _fabric(LLAMA_PLAN.replace(float8=TENSORWISE), data_parallel_size=2, tensor_parallel_size=2)
     model = _model(fabric)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), lr=LR)
     x, y = _batches()[0]
     rows = slice(4 * fabric.strategy.device_mesh["data_parallel"].get_local_rank(), None)
     fabric.backward(_loss(model(x[rows][:4]), y[rows][:4]))
@@ -247,7 +247,7 @@ def _hugging_face(pretrained: str, out: str) -> dict[str, float]:
     model = fabric.setup_module(model)
     load_pretrained(model, pretrained)
     result = {"float8_layers": float(sum(type(m).__name__ == "Float8Linear" for m in model.module.modules()))}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), lr=LR)
     x, y = _batches()[0]
     rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
     fabric.backward(_loss(model(x[4 * rank : 4 * rank + 4]).logits, y[4 * rank : 4 * rank + 4]))

@@ -52,7 +52,7 @@ from modelpar.checkpoint import (
 from modelpar.models.llama import TransformerBlock
 from modelpar.plans import parallelize_llama
 from modelpar.trainer import ModelParallelStrategy as TrainerStrategy
-from parity import full, global_batches, lm_loss, make_fabric, reference_model
+from parity import adamw, full, global_batches, lm_loss, make_fabric, reference_model
 from trainer_module import GLOBAL_BATCH, LlamaModule, loader, quiet_trainer, reference_run
 
 LR = 1e-2
@@ -145,7 +145,7 @@ SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"
 def fsdp_strategy_script(fabric: Any, resume: Path | None, save: Path | None, steps: int) -> tuple[Any, list[float]]:
     """A training script written for Lightning's ``FSDPStrategy`` (Fabric): the strategy is its only variable."""
     model = fabric.setup_module(reference_model())
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume is not None:
         fabric.load(resume, state)
@@ -180,7 +180,7 @@ def write_fsdp1_checkpoints(root: Path) -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=CPUFabricFSDPStrategy(state_dict_type="sharded"))
     fabric.launch()
     model = fabric.setup_module(fsdp1_wrap(reference_model()))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
     for x, y in global_batches(2):
         fabric.backward(lm_loss(model(_local(x)), _local(y)))
         optimizer.step()
@@ -304,7 +304,7 @@ def load_into_fsdp2_tp(root: Path) -> dict[str, Any]:
     for layout, source in (((2, 2), "fabric-sharded"), ((1, 4), "fabric-full.ckpt"), ((4, 1), "fabric-sharded")):
         fabric = make_fabric(*layout, world_size=4, num_nodes=2)
         model = fabric.setup_module(reference_model(seed=5))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
         state = {"model": model, "optimizer": optimizer, "step": 0}
         fabric.load(root / source, state)
         assert state["step"] == 2
@@ -319,7 +319,7 @@ def load_into_fsdp2_tp(root: Path) -> dict[str, Any]:
     standalone = ModelParallelStrategy(parallelize_llama, 1, 4, timeout=PG_TIMEOUT)
     standalone.setup_environment()
     smodel = standalone.setup_module(reference_model(seed=5))
-    sopt = torch.optim.AdamW(smodel.parameters(), lr=LR)
+    sopt = adamw(smodel.parameters(), lr=LR)
     standalone.load_checkpoint(root / "fabric-sharded", {"model": smodel, "optimizer": sopt})
     _assert_truth(smodel, sopt, truth, "fabric-sharded -> standalone 1x4")
     # the Trainer resumes FSDP1 Trainer checkpoints on other layouts and matches the reference
@@ -417,7 +417,7 @@ def test_the_fsdp1_script_run_the_switch_is_held_to_reproduces_the_single_proces
     """The truth the one-line switch is compared with (FSDP1's step 3) is itself one process's step 3."""
     truth = torch.load(fsdp1["root"] / "truth-script.pt", weights_only=True)
     ref = reference_model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = adamw(ref.parameters(), lr=LR)
     for x, y in global_batches(3):
         loss = lm_loss(ref(x), y)
         loss.backward()
@@ -438,7 +438,7 @@ def test_fsdp1_checkpoints_convert_offline_to_our_formats(fsdp1, tmp_path):
     convert_to_distributed(root / "fabric-full.ckpt", tmp_path / "from-full", progress=False)
     for src in (tmp_path / "from-sharded.pt", tmp_path / "from-full"):
         model = reference_model(seed=5)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = adamw(model.parameters(), lr=LR)
         state = {"model": model, "optimizer": opt, "step": 0}
         load_state(src, state)
         assert state["step"] == 2
@@ -451,7 +451,7 @@ def test_fsdp1_checkpoints_convert_offline_to_our_formats(fsdp1, tmp_path):
     from modelpar.checkpoint import Checkpointer
 
     module = LlamaModule(build_in_init=True)
-    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    opt = adamw(module.parameters(), lr=LR)
     rest = Checkpointer().load_trainer_checkpoint(tmp_path / "trainer.ckpt", module, [opt], weights_only=False)
     assert rest["global_step"] == 1 and "loops" in rest
     torch.testing.assert_close(module.model.state_dict(), reference_run(1)[0].state_dict(), atol=2e-5, rtol=1e-4)
@@ -461,7 +461,7 @@ def test_fsdp1_checkpoints_convert_offline_to_our_formats(fsdp1, tmp_path):
 def test_a_fsdp1_run_reproduces_the_single_process_reference(fsdp1):
     truth = torch.load(fsdp1["root"] / "truth.pt", weights_only=True)
     ref = reference_model()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = adamw(ref.parameters(), lr=LR)
     for x, y in global_batches(2):
         lm_loss(ref(x), y).backward()
         opt.step()

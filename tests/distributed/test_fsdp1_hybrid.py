@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 
 from harness import run_distributed
-from parity import assert_matches, global_batches, lm_loss, make_fabric, reference_model
+from parity import adamw, assert_matches, global_batches, lm_loss, make_fabric, reference_model
 
 HYBRID_AXES = ("replicate", "shard")
 
@@ -47,7 +47,7 @@ def fsdp1_hybrid_wrap(model: torch.nn.Module, mesh: Any) -> FSDP:
 def _reference(steps: int) -> tuple[torch.nn.Module, float]:
     """The single-process reference after ``steps`` AdamW steps, and the loss of its last step."""
     model = reference_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = adamw(model.parameters(), lr=LR)
     loss = torch.tensor(0.0)
     for x, y in global_batches(steps):
         loss = lm_loss(model(x), y)
@@ -69,7 +69,7 @@ def write_with_fsdp1_hybrid(root: Path) -> dict[str, Any]:
     # really hybrid: each rank holds half of a block (sharded over the node), the same half as its replica peer;
     # the flat parameter is FSDP1's own storage of the block (no public API exposes a rank's shard of it)
     flat = fsdp_model.layers[0]._flat_param
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
     for x, y in global_batches(2):
         fabric.backward(lm_loss(model(_local(x)), _local(y)))
         optimizer.step()
@@ -108,7 +108,7 @@ def grid(root: Path) -> dict[str, Any]:
         fabric = make_fabric(dp, tp, world_size=4, num_nodes=2, data_parallel_replicate_size=2)
         assert tuple(fabric.strategy.device_mesh.shape) == tuple(int(n) for n in name.split("x"))
         model = fabric.setup_module(reference_model(seed=5))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=LR))
         state = {"model": model, "optimizer": optimizer, "step": 0}
         fabric.load(root / "hybrid-sharded", state)
         assert state["step"] == 2

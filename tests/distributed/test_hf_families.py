@@ -51,7 +51,7 @@ from hf_tiny import TINY_SIZES
 from modelpar.hf import plan_for
 from modelpar.hf._files import file_keys
 from modelpar.plans import loss_parallel
-from parity import assert_matches, global_batches, lm_loss, local_slice, make_fabric
+from parity import adamw, assert_matches, global_batches, lm_loss, local_slice, make_fabric
 
 FAMILIES: dict[str, Any] = {
     "llama": lambda: LlamaConfig(**TINY_SIZES),
@@ -115,8 +115,8 @@ def case(folder: Path, dp: int, tp: int, steps: int, **options: Any) -> dict[str
     modelpar.hf.load_pretrained(model, folder)
     out: dict[str, Any] = {"losses": [], "state_bytes": state_bytes(folder, model, dp, tp, replicate, ep, options)}
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-3, weight_decay=0.1))
+    ref_opt = adamw(ref.parameters(), lr=1e-3, weight_decay=0.1)
     assert_matches(model, ref, "param")
     for x, y in global_batches(steps):
         outputs = model(local_slice(fabric, x), output_router_logits=True) if aux else model(local_slice(fabric, x))

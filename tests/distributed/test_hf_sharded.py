@@ -28,7 +28,7 @@ from harness import run_distributed
 from hf_tiny import tiny_config
 from modelpar.hf import plan_for
 from modelpar.plans import ParallelPlan
-from parity import make_fabric
+from parity import adamw, make_fabric
 
 
 def plan(tied: bool) -> ParallelPlan:
@@ -87,7 +87,7 @@ def grid(root: Path) -> dict[str, Any]:
     model = sharded_model(fabric, untied, tied=False)
     check_shards(model, untied, fabric.strategy.device_mesh, "2x2")
     torch.testing.assert_close(logits(model), want, atol=1e-5, rtol=1e-5)  # TP sums in another order
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2))
     x = tokens()
     fabric.backward(model(input_ids=x, labels=x).loss)
     optimizer.step()

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from harness import PG_TIMEOUT, run_distributed
 from hf_tiny import TINY_SIZES
 from modelpar import ModelParallelStrategy
-from parity import assert_matches, error_text, global_batches, lm_loss, local_slice, reference_model
+from parity import adamw, assert_matches, error_text, global_batches, lm_loss, local_slice, reference_model
 
 STEPS = 3
 LR = 1e-2
@@ -54,8 +54,8 @@ def _units(model: torch.nn.Module) -> list[str]:
 def _train_against_reference(fabric: Fabric, ref: torch.nn.Module, forward: Any) -> dict[str, float]:
     """AdamW steps on the sharded copy and on ``ref``; losses, gradients and weights compared after each."""
     model = fabric.setup_module(copy.deepcopy(ref))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=LR, weight_decay=0.1))
+    ref_opt = adamw(ref.parameters(), lr=LR, weight_decay=0.1)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for x, y in global_batches(STEPS):
         loss = lm_loss(forward(model, local_slice(fabric, x)), local_slice(fabric, y))

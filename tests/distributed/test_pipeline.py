@@ -22,7 +22,7 @@ from harness import PG_TIMEOUT, run_distributed
 from modelpar import ModelParallelStrategy
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_MOE_PLAN, LLAMA_PLAN
-from parity import error_text, shard_difference
+from parity import adamw, error_text, shard_difference
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=64, max_seq_len=16)
 #: Every block a MoE, experts split over 2 ranks; the routers' auxiliary losses off: a pipeline's loss is the last
@@ -103,8 +103,8 @@ def _train(world: int, *, accumulate: bool = False, cfg: LlamaConfig = CFG, **kw
     torch.manual_seed(0)
     ref = Llama(cfg)
     init = _worst(model, ref)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = adamw(model.parameters(), lr=LR, weight_decay=0.1)
+    ref_opt = adamw(ref.parameters(), lr=LR, weight_decay=0.1)
     loss_err = norm_err = 0.0
     for x, y in _batches(dp):
         xs, ys = x[BATCH * dp_rank : BATCH * (dp_rank + 1)], y[BATCH * dp_rank : BATCH * (dp_rank + 1)]
@@ -167,7 +167,7 @@ def _checkpoint_across_sizes(world: int, folder: str, save: dict[str, Any], load
     """Train a step at one layout, save a distributed checkpoint, load it at each other layout: the difference."""
     fabric = _fabric(world, **save)
     model = _pipelined(fabric)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), lr=LR)
     x, y = _batches(1)[0]
     fabric.strategy.pipeline_step(model, x, y, _loss)
     optimizer.step()
@@ -198,7 +198,7 @@ def _checkpoint_across_sizes(world: int, folder: str, save: dict[str, Any], load
             torch.manual_seed(1)
             with other.init_module(empty_init=True):
                 loaded = other.setup_module(Llama(CFG))
-        other_opt = torch.optim.AdamW(loaded.parameters(), lr=LR)
+        other_opt = adamw(loaded.parameters(), lr=LR)
         for source in (folder, full_file):  # the distributed folder, then the full file: both load exactly
             other.load(source, {"model": loaded, "optimizer": other_opt} if source == full_file else {"model": loaded})
             module = getattr(loaded, "module", loaded)
@@ -282,7 +282,7 @@ def _trainer_run(folder: str) -> dict[str, Any]:
             self.losses.append(float(loss))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+            return adamw(self.parameters(), lr=LR, weight_decay=0.1)
 
     (x, y), _, _ = _batches(1)
     data = DataLoader(TensorDataset(x, y), batch_size=BATCH // 2)  # 2 steps of 4 samples, 2 micro-batches each
@@ -304,7 +304,7 @@ def _trainer_run(folder: str) -> dict[str, Any]:
     trainer.fit(module, data)
     torch.manual_seed(0)
     ref = Llama(CFG)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    ref_opt = adamw(ref.parameters(), lr=LR, weight_decay=0.1)
     loss_err = 0.0
     for (bx, by), loss in zip(module.seen, module.losses, strict=True):  # the batches the Trainer's sampler chose
         ref_loss = _loss(ref(bx), by)
@@ -364,8 +364,8 @@ def _hugging_face(world: int, pretrained: str, out: str) -> dict[str, float]:
     ref = AutoModelForCausalLM.from_pretrained(pretrained)
     ref_params = dict(ref.named_parameters())
     worst = {"load": max((_full(p) - ref_params[n]).abs().max().item() for n, p in model.module.named_parameters())}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), lr=LR)
+    ref_opt = adamw(ref.parameters(), lr=LR)
     dp = strategy.device_mesh["data_parallel"]
     worst["loss"] = 0.0
     for x, y in _batches(dp.size())[:2]:

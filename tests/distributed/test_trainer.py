@@ -123,13 +123,13 @@ def case_accumulation_skips_reduction(dp: int, tp: int, world: int, mode: str) -
 
 def reference_fits(init: dict[str, torch.Tensor], *steps: int) -> torch.nn.Module:
     """``reference_run`` from the weights ``init``, over several ``fit`` calls: each creates a new AdamW and StepLR."""
-    from parity import global_batches, lm_loss, reference_model
+    from parity import adamw, global_batches, lm_loss, reference_model
 
     model = reference_model()
     model.load_state_dict(init)
     x, y = global_batches(1)[0]
     for n in steps:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        optimizer = adamw(model.parameters(), lr=LR)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
         for _ in range(n):
             lm_loss(model(x), y).backward()

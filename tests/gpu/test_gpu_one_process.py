@@ -44,7 +44,7 @@ from modelpar import ModelParallelStrategy
 from modelpar.float8 import FLOAT8_CAPABILITY, Float8Recipe, Float8Training
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import parallelize_llama
-from parity import CFG, GLOBAL_BATCH, SEQ, global_batches, lm_loss
+from parity import CFG, GLOBAL_BATCH, SEQ, adamw, global_batches, lm_loss
 
 STEPS = 3
 #: fp32 on one GPU: the sharded (1x1) model and the plain model run the same kernels; offload moves the
@@ -92,8 +92,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train_pair(fabric: Any, model: Any, ref: nn.Module, atol: float) -> dict[str, Any]:
     """STEPS AdamW steps on the strategy's model and on the plain reference: losses and weights must agree."""
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2))
+    ref_opt = adamw(ref.parameters(), lr=1e-2)
     loss_diff = weight_diff = 0.0
     for x, y in _batches():
         loss = lm_loss(model(x), y)
@@ -249,7 +249,7 @@ def case_save_load_both_formats() -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             fabric = _fabric(save_distributed_checkpoint=distributed)
             model = _sharded(fabric, empty_init=True)
-            optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+            optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-2))
             batches = _batches()
             for x, y in batches[:2]:
                 fabric.backward(lm_loss(model(x), y))
@@ -259,7 +259,7 @@ def case_save_load_both_formats() -> dict[str, Any]:
             fabric2 = _fabric(save_distributed_checkpoint=distributed)
             torch.manual_seed(5)
             model2 = _sharded(fabric2, empty_init=True)
-            optimizer2 = fabric2.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=1e-2))
+            optimizer2 = fabric2.setup_optimizers(adamw(model2.parameters(), lr=1e-2))
             state = {"model": model2, "optimizer": optimizer2, "step": 0}
             fabric2.load(Path(tmp) / "ckpt", state)
             assert state["step"] == 2
@@ -280,7 +280,7 @@ def case_async_save_staging() -> dict[str, Any]:
     cfg = LlamaConfig(vocab_size=4096, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1536, max_seq_len=64)
     fabric = _fabric(async_save=True)
     model = _sharded(fabric, empty_init=True, cfg=cfg)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-3))
     x = torch.randint(0, cfg.vocab_size, (2, 32), device=device())
     fabric.backward(lm_loss(model(x), x))
     optimizer.step()
@@ -492,7 +492,7 @@ def case_signal_saves_a_final_checkpoint() -> dict[str, Any]:
 
     fabric = _fabric()
     model = _sharded(fabric, empty_init=True)
-    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    opt = fabric.setup_optimizers(adamw(model.parameters(), lr=1e-3))
     with tempfile.TemporaryDirectory() as tmp:
         run = RunCheckpoints(Path(tmp) / "run", every_n_steps=100, save_on_signal=True)
         os.kill(os.getpid(), signal.SIGUSR1)  # as SLURM's --signal=USR1@120 does
@@ -555,7 +555,7 @@ def _plan_training(float8: Float8Training | None = None) -> tuple[Any, Any, Any,
     fabric = _plan_fabric(float8)
     model = _sharded(fabric, empty_init=True)
     initial = {n: _local(p).detach().clone() for n, p in model.module.named_parameters()}
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=FLOAT8_LR))
+    optimizer = fabric.setup_optimizers(adamw(model.parameters(), lr=FLOAT8_LR))
     losses = []
     for x, y in [(x.to(device()), y.to(device())) for x, y in global_batches(FLOAT8_STEPS)]:
         loss = lm_loss(model(x), y)
@@ -610,7 +610,7 @@ def _case_float8(recipe: Float8Recipe) -> dict[str, Any]:
         plain = _plan_fabric()
         torch.manual_seed(5)
         back = _sharded(plain, empty_init=True)
-        back_optimizer = plain.setup_optimizers(torch.optim.AdamW(back.parameters(), lr=FLOAT8_LR))
+        back_optimizer = plain.setup_optimizers(adamw(back.parameters(), lr=FLOAT8_LR))
         loaded = {"model": back, "optimizer": back_optimizer, "step": 0}
         plain.load(Path(tmp) / "float8", loaded)
     assert loaded["step"] == FLOAT8_STEPS

@@ -35,7 +35,7 @@ from harness import PG_TIMEOUT, run_distributed
 from modelpar import ModelParallelStrategy, clip_grad_norm
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, parallelize_llama
-from parity import CFG, global_batches, lm_loss
+from parity import CFG, adamw, global_batches, lm_loss
 
 #: A model big enough for memory figures to mean something (about 17M parameters, 67 MB in fp32).
 BIG = LlamaConfig(vocab_size=4096, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1536, max_seq_len=64)
@@ -111,7 +111,7 @@ def _worst_over_ranks(value: float) -> float:
 
 
 def _train_like_reference(
-    strategy: ModelParallelStrategy, model: nn.Module, ref: nn.Module, optimizer_class: Any = torch.optim.AdamW
+    strategy: ModelParallelStrategy, model: nn.Module, ref: nn.Module, optimizer_class: Any = adamw
 ) -> float:
     """STEPS optimizer steps on both (each rank its data-parallel slice); the largest weight difference after (every
     rank's block against the reference's)."""
@@ -273,7 +273,7 @@ def case_async_distributed_save_reshards_on_load() -> dict[str, Any]:
     saver = _strategy(ws, 1, async_save=True)
     root = _shared_tmp()
     model = _sharded(saver)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
     for i, (x, y) in enumerate(global_batches(2)):
         lm_loss(model(_local_batch(saver, x)), _local_batch(saver, y)).backward()
         optimizer.step()
@@ -411,8 +411,8 @@ def case_pipeline_on_the_shared_device() -> dict[str, Any]:
     strategy = _strategy(_world() // 2, 1, LLAMA_PLAN, pipeline_parallel_size=2, pipeline_microbatches=4)
     model = _sharded(strategy, BIG)
     ref = _reference(BIG)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    optimizer = adamw(model.parameters(), lr=1e-3)
+    ref_opt = adamw(ref.parameters(), lr=1e-3)
     worst = 0.0
     g = torch.Generator().manual_seed(11)  # 16 x 64 tokens: 4 micro-batches of 4 sequences, every step alike
     batches = [torch.randint(0, BIG.vocab_size, (2, 16, BIG.max_seq_len), generator=g) for _ in range(STEPS + 1)]
