@@ -611,4 +611,8 @@ def test_a_torch_error_inside_modelpars_mesh_build_is_reported_as_a_failure_not_
 
 
 def test_a_mesh_that_does_not_fit_the_world_is_reported_as_a_failure_not_a_skip(two: list[dict[str, Any]]) -> None:
-    _assert_reported_as_a_failure(two, "self_check_mesh_does_not_fit", "MeshSizeError: `data_parallel_size=3`")
+    _assert_reported_as_a_failure(
+        two,
+        "self_check_mesh_does_not_fit",
+        "MeshSizeError: The sizes multiplied should equal the world size (2), but `data_parallel_size=3`",
+    )
