@@ -8,7 +8,6 @@ gradient up to a step of the learning rate's size; these checks pin down why the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -45,6 +44,5 @@ def test_real_gradients_are_stepped_as_with_torch_s_default(grad: float) -> None
 
 
 def test_an_explicit_eps_wins() -> None:
-    optimizer: Any = adamw([torch.nn.Parameter(torch.zeros(1))], lr=LR, eps=1e-8)
-    assert optimizer.param_groups[0]["eps"] == 1e-8
+    assert adamw([torch.nn.Parameter(torch.zeros(1))], lr=LR, eps=1e-8).param_groups[0]["eps"] == 1e-8
     assert adamw([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["eps"] == PARITY_EPS

@@ -34,7 +34,12 @@ from modelpar._mesh.process_group import DEFAULT_TIMEOUT, default_backend, init_
 from modelpar._mesh.sizes import SizeArg
 from modelpar._mesh.watchdog import resolve_peer_timeout, watch_peers
 from modelpar._rank_zero import rank_zero_warn
-from modelpar._strategy.applied import check_context_parallel_applied, check_expert_parallel_applied, parallelized
+from modelpar._strategy.applied import (
+    check_context_parallel_applied,
+    check_expert_parallel_applied,
+    check_fsdp_mesh_applied,
+    parallelized,
+)
 from modelpar._strategy.default_plan import default_plan
 from modelpar._strategy.float8 import keep_scales_current, with_float8
 from modelpar._strategy.options import StrategyOptions
@@ -342,7 +347,7 @@ class ParallelCore:
         move_to_device(module, root_device)
 
     def check_fsdp_applied(self, module: nn.Module) -> list[bool]:
-        """After ``parallelize_fn``: HSDP really applied, explicit FSDP options really used; pick autocast or policy.
+        """After ``parallelize_fn``: FSDP on the layout's mesh, explicit FSDP options used; pick autocast or policy.
 
         Runs identically on every rank (it looks only at the module and the configuration), so the errors are
         raised everywhere. The strategy's options reach ``fully_shard`` only through ``fsdp_kwargs``; what it
@@ -352,28 +357,8 @@ class ParallelCore:
         layout, options = self.layout, self.fsdp_options
         given = handed_out(self.device_mesh)
         sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        if layout is not None and layout.hsdp:
-            flat = sorted({n for n, p in module.named_parameters() if _fsdp_on_flattened_axis(p)})
-            if flat:
-                shown = ", ".join(flat[:5]) + (" ..." if len(flat) > 5 else "")
-                raise ValueError(
-                    f"HSDP was asked for (`data_parallel_replicate_size={layout.data_parallel_replicate_size}`), but"
-                    f" {len(flat)} parameter(s) were sharded with `fully_shard(..., mesh=device_mesh['data_parallel'])`"
-                    f", which is plain FSDP over all {layout.data_parallel_size} data-parallel ranks: {shown}. Call"
-                    " `fully_shard(module, **modelpar.fsdp_kwargs(device_mesh))` (or"
-                    " `mesh=modelpar.fsdp_mesh(device_mesh)`), which passes the 2-D (replicate, shard) mesh."
-                )
-        if layout is not None and layout.context_parallel_size > 1:
-            missed = sorted({n for n, p in module.named_parameters() if _fsdp_without_context_axis(p)})
-            if missed:
-                shown = ", ".join(missed[:5]) + (" ..." if len(missed) > 5 else "")
-                raise ValueError(
-                    f"Context parallelism was asked for (`context_parallel_size={layout.context_parallel_size}`), but"
-                    f" {len(missed)} parameter(s) were sharded by FSDP over the data-parallel ranks only: {shown}. The"
-                    " context-parallel ranks see different tokens of the same samples, so their gradients would"
-                    " never be averaged. Call `fully_shard(module, **modelpar.fsdp_kwargs(device_mesh))` (or"
-                    " `mesh=modelpar.fsdp_mesh(device_mesh)`), which shards over data x context parallel."
-                )
+        if layout is not None:
+            check_fsdp_mesh_applied(module, layout)
         if options.explicit and sharded and not given:
             raise ValueError(
                 f"The strategy was given {', '.join(f'`{n}`' for n in options.explicit)}, but `parallelize_fn` called"
@@ -441,19 +426,6 @@ class ParallelCore:
     @staticmethod
     def clip_gradients_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
         clip_grad_value(parameters, clip_val)
-
-
-def _fsdp_on_flattened_axis(param: torch.Tensor) -> bool:
-    """A parameter FSDP sharded over the flattened ``"data_parallel"`` axis of an HSDP mesh (plain FSDP, not HSDP)."""
-    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
-    return bool({MESH_AXES[0], TOKEN_AXIS} & set(names)) and HSDP_MESH_AXES[0] not in names
-
-
-def _fsdp_without_context_axis(param: torch.Tensor) -> bool:
-    """A parameter FSDP sharded on a data-parallel axis that leaves out the context-parallel ranks."""
-    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
-    data_axes = {MESH_AXES[0], *HSDP_MESH_AXES[:2]}
-    return bool(data_axes & set(names)) and not ({TOKEN_AXIS, SHARD_CONTEXT_AXIS, CONTEXT_PARALLEL_AXIS} & set(names))
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple[str, tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
