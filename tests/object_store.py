@@ -101,6 +101,7 @@ def _seaweedfs(stack: contextlib.ExitStack) -> S3Server | None:
             "-s3.port.iceberg=0", "-s3.port.lance=0",  # fixed default ports: off, or two servers collide
         ],
         stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(root)},  # its gRPC sockets and its logs: in `root`, removed with it
     )  # fmt: skip
 
     def stop() -> None:  # its data is thrown away: no need to wait out its 10 s graceful shutdown
@@ -110,6 +111,11 @@ def _seaweedfs(stack: contextlib.ExitStack) -> S3Server | None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        # Its unix sockets are always in /tmp (`/tmp/seaweedfs-<service>[-grpc]-<port>.sock`, TMPDIR or not) and
+        # stay behind a killed server: remove those of our ports.
+        for port in (p + offset for p in ports.values() for offset in (0, 10000)):
+            for socket_file in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                socket_file.unlink(missing_ok=True)
 
     stack.callback(stop)
     server = S3Server(f"http://127.0.0.1:{ports['s3']}", "seaweedfs", stack)

@@ -12,6 +12,7 @@ chosen by :func:`use_namespace`; :func:`lightning` returns that namespace's clas
 from __future__ import annotations
 
 import importlib
+import os
 import tempfile
 from functools import cache
 from types import SimpleNamespace
@@ -168,9 +169,16 @@ def lightning() -> SimpleNamespace:
     return _classes(_namespace)
 
 
+#: Set by ``tests/conftest.py`` to a folder in pytest's own temporary tree, which pytest prunes (it keeps the last
+#: three runs); the ranks inherit it with the environment. Unset (a rank started outside pytest): the system's.
+SCRATCH_VARIABLE = "MODELPAR_TEST_SCRATCH"
+
+
 @cache
 def _scratch_root() -> str:
-    return tempfile.mkdtemp(prefix="modelpar-trainer-")
+    """One folder per process for the Trainer's ``default_root_dir``; forked ranks never run ``atexit``, so a
+    folder of the system's temporary directory would stay behind (150 after a day of runs)."""
+    return tempfile.mkdtemp(prefix="modelpar-trainer-", dir=os.environ.get(SCRATCH_VARIABLE))
 
 
 def quiet_trainer(**kwargs: Any) -> Any:
