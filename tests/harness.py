@@ -49,7 +49,9 @@ def launcher_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str,
 #: What the fork server imports once: torch's distributed packages, Lightning Fabric (which imports torchmetrics and,
 #: through it, transformers), both Trainer namespaces, modelpar with its Hugging Face and Trainer modules, and
 #: torchao's float8 package, which transformers' quantizers import whenever torchao is installed (a model's
-#: ``from_pretrained`` / ``from_config``: 5 s of CPU per rank). A rank forked from the server starts its case at once
+#: ``from_pretrained`` / ``from_config``: 5 s of CPU per rank). Also pytest (every rank imports its test module, which
+#: imports pytest: 0.16 s of CPU) and s3fs (Lightning's ``ModelCheckpoint.setup`` asks ``module_available("s3fs")``,
+#: which imports it: 0.9 s of CPU in every Trainer rank). A rank forked from the server starts its case at once
 #: (a spawn of 4 ranks importing modelpar: 1.0 s to 0.14 s). modelpar reads its
 #: environment when it runs, never at import, so the environment each rank gets (:func:`_process_env`) still applies.
 #: A module that is not installed is skipped by the server.
@@ -65,6 +67,8 @@ _PRELOAD = [
     "modelpar.trainer",
     "transformers.quantizers.auto",
     "torchao.float8",
+    "pytest",
+    "s3fs",
 ]
 
 
