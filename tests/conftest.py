@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 
+from harness import SCRATCH_VARIABLE
 from object_store import S3Server, s3_environment, start_s3_server
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_in_pytests_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Folders the tests' helpers make for themselves (``trainer_module``) go under pytest's temporary tree."""
-    from trainer_module import SCRATCH_VARIABLE
-
     os.environ[SCRATCH_VARIABLE] = str(tmp_path_factory.mktemp("scratch"))
     yield
     os.environ.pop(SCRATCH_VARIABLE, None)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from harness import SCRATCH_VARIABLE
 from modelpar.plans import parallelize_llama
 from parity import CFG, GLOBAL_BATCH, adamw, global_batches, lm_loss, reference_model
 
@@ -167,11 +168,6 @@ def _classes(namespace: str) -> SimpleNamespace:
 def lightning() -> SimpleNamespace:
     """The current namespace's Lightning classes and the test classes built on them."""
     return _classes(_namespace)
-
-
-#: Set by ``tests/conftest.py`` to a folder in pytest's own temporary tree, which pytest prunes (it keeps the last
-#: three runs); the ranks inherit it with the environment. Unset (a rank started outside pytest): the system's.
-SCRATCH_VARIABLE = "MODELPAR_TEST_SCRATCH"
 
 
 @cache
