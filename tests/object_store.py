@@ -101,7 +101,7 @@ def _seaweedfs(stack: contextlib.ExitStack) -> S3Server | None:
             "-s3.port.iceberg=0", "-s3.port.lance=0",  # fixed default ports: off, or two servers collide
         ],
         stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "TMPDIR": str(root)},  # its gRPC sockets and its logs: in `root`, removed with it
+        env={**os.environ, "TMPDIR": str(root)},  # its logs: in `root`, removed with it (its sockets: see stop())
     )  # fmt: skip
 
     def stop() -> None:  # its data is thrown away: no need to wait out its 10 s graceful shutdown
