@@ -74,7 +74,8 @@ pytest_started=$SECONDS
 status=${PIPESTATUS[0]}
 pytest_status=$status
 pytest_seconds=$((SECONDS - pytest_started))
-grep -h "^\[gpu-suite\]" "$OUT/pytest.log" > "$OUT/figures.txt" || true
+# -o: pytest -s prints a test's progress mark ('.', 's', 'F') in front of the line a case printed first.
+grep -o "\[gpu-suite\] .*" "$OUT/pytest.log" > "$OUT/figures.txt" || true
 
 bench_args=()
 float8_args=()
