@@ -19,6 +19,11 @@ The variants train the same model on the same data with the same FSDP2 bf16 poli
 
 Every step's loss comes back too (read after the timed steps, so that reading it costs no synchronization inside
 them): ``--float8`` compares float8's loss curve with bf16's.
+
+With ``--profile N`` the worker runs N more steps under ``torch.profiler`` after the timed ones and reports where
+the device's time went (:func:`profile_steps`): milliseconds per step by kernel kind (:func:`kernel_kind`) and the
+busiest kernels. It answers what a tokens/s figure cannot, such as why float8 was slower than bf16 on an H200
+(benchmarks/RESULTS.md, 2026-11-27); the profiled steps are not among the timed ones.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class RunResult:
     float8: str | None = None
     emulated: bool = False
     torchao_version: str | None = None
+    #: ``--profile``: milliseconds per profiled step by kernel kind, plus ``"step"`` (wall) and ``"busy"`` (all kinds)
+    profile_ms: dict[str, float] | None = None
 
 
 @dataclass
@@ -86,6 +93,7 @@ class Timing:
     warmup_s: float
     step_s: list[float]
     losses: list[float]
+    profile_ms: dict[str, float] | None = None
 
 
 def config(args: argparse.Namespace, seq: int | None = None) -> LlamaConfig:
@@ -189,7 +197,74 @@ def measure(step: Step, data: list[Batch], args: argparse.Namespace) -> Timing:
         sync()
         times.append(time.perf_counter() - start)
     values = torch.stack(losses).float().cpu().tolist() if losses else []
-    return Timing(setup_s=0.0, warmup_s=warmup, step_s=times, losses=values)
+    profiled = profile_steps(step, data, args.profile) if args.profile else None
+    return Timing(setup_s=0.0, warmup_s=warmup, step_s=times, losses=values, profile_ms=profiled)
+
+
+#: :func:`kernel_kind`'s kinds, in the order the report prints them; the first whose words a kernel's name holds
+#: wins. Names are the kernels' own (cuBLAS, CUTLASS, flash attention, Triton, NCCL); on the CPU smoke check, aten
+#: operators'. The words are a reading of those names, not an API: ``--profile`` also prints the busiest kernels by
+#: name, so a kernel in the wrong kind shows there.
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("float8 matmul", ("e4m3", "e5m2", "fp8", "f8f8", "float8", "_scaled_mm", "scaled_mm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
+    ("communication", ("nccl", "gloo", "c10d")),
+    ("Triton (compiled)", ("triton",)),
+    ("copy and fill", ("memcpy", "memset", "copy", "fill")),
+)
+OTHER_KIND = "other"
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel (or, on the CPU, an operator) by its name: :data:`KERNEL_KINDS`, else ``"other"``."""
+    lowered = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(word in lowered for word in words):
+            return kind
+    return OTHER_KIND
+
+
+def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[str, float]:
+    """Run ``n`` steps under ``torch.profiler``; print the busiest kernels, return ms per step by kind.
+
+    The device's own time per kernel (``self_device_time_total``) on a GPU; on the CPU smoke check, each
+    operator's self CPU time, so the code runs end to end there. ``"step"`` is the wall time per step and
+    ``"busy"`` the sum of the kinds: on a GPU, a busy time well under the step's means the device waited on the
+    host (launch overhead, eager code).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = DEVICE.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    chosen = [data[i % len(data)] for i in range(n)]
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for x, y in chosen:
+            step(x, y)
+        sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if on_gpu else []
+    if on_gpu and not kernels:  # no kernel events of their own: the operators' device time (nested ops excluded)
+        kernels = list(events)
+    per_kernel: dict[str, tuple[float, int]] = {}
+    for event in kernels if on_gpu else events:
+        micros = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        if micros > 0:
+            total, count = per_kernel.get(event.key, (0.0, 0))
+            per_kernel[event.key] = (total + micros, count + event.count)
+    by_kind: dict[str, float] = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {OTHER_KIND: 0.0}
+    for name, (micros, _) in per_kernel.items():
+        by_kind[kernel_kind(name)] += micros / 1e3 / n
+    busiest = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:top]
+    what = "kernels (device time)" if on_gpu else "operators (self CPU time; the smoke check)"
+    print(f"profile: {n} step(s), {wall / n * 1e3:.1f} ms per step; the busiest {what}, ms per step:", flush=True)
+    for name, (micros, count) in busiest:
+        print(f"  {micros / 1e3 / n:8.2f}  x{count // n:<4d} {kernel_kind(name):18s} {name[:110]}", flush=True)
+    return {"step": wall / n * 1e3, "busy": sum(by_kind.values()), **by_kind}
 
 
 def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:
@@ -410,6 +485,7 @@ def run_worker(args: argparse.Namespace) -> None:
         result.tokens_per_s = args.batch * args.seq / statistics.median(timing.step_s)
         result.setup_s, result.warmup_s = timing.setup_s, timing.warmup_s
         result.compiled_graphs = compiled_graphs()
+        result.profile_ms = timing.profile_ms
         memory = ""
         if DEVICE.type == "cuda":
             result.peak_gib = torch.cuda.max_memory_allocated() / 2**30

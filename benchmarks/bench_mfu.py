@@ -150,6 +150,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"seconds: start no round predicted to end later (default {DEFAULT_BUDGET_S:.0f} without --repeats)",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timed steps, this many more under torch.profiler: device time per step by kernel kind",
+    )
     p.add_argument("--sweep", action="store_true", help="modelpar over --sweep-seqs x --sweep-tokens instead")
     p.add_argument("--sweep-seqs", default="2048,8192", help="sequence lengths of the sweep")
     p.add_argument("--sweep-tokens", default="8192,16384,32768", help="tokens per step (batch = tokens / seq)")
@@ -374,6 +381,25 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
     )
     if args.data != "uniform":
         print(f"data: --data {args.data} (the same batches in every run)")
+    report_profiles(runs)
+
+
+def report_profiles(runs: dict[str, list[RunResult]]) -> None:
+    """``--profile``: each variant's device time per step by kernel kind (its first run's profiled steps)."""
+    profiled = {v: rs[0].profile_ms for v, rs in runs.items() if rs and rs[0].profile_ms}
+    if not profiled:
+        return
+    kinds = [k for k in next(iter(profiled.values())) if k not in ("step", "busy")]
+    kinds = [k for k in kinds if any(p.get(k, 0.0) >= 0.005 for p in profiled.values())]
+    print(
+        "\nprofile (--profile): ms per step, each variant's first run; 'busy' is the sum of its kernels' device"
+        " time (on the CPU smoke check, operators' self CPU time); see each run's busiest kernels above"
+    )
+    print("| variant | step | busy | " + " | ".join(kinds) + " |")
+    print("|---|---|---|" + "---|" * len(kinds))
+    for variant, ms in profiled.items():
+        cells = " | ".join(f"{ms.get(k, 0.0):.2f}" for k in kinds)
+        print(f"| {variant} | {ms['step']:.2f} | {ms['busy']:.2f} | {cells} |")
 
 
 def loss_curve(results: list[RunResult], warmup: int) -> list[float]:

@@ -275,3 +275,49 @@ def test_a_float8_case_skips_naming_what_is_missing(monkeypatch: pytest.MonkeyPa
     result = run_cases({"case": one.case_float8_rowwise_trains_like_bf16})["case"]
     assert result["ok"] is None, result
     assert result["skip"].startswith("NVIDIA A100-SXM4-80GB has compute capability 8.0: float8"), result
+
+
+def test_the_benchmarks_profile_sorts_kernels_by_kind(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench_mfu.py --profile``: kernel names as an H100/H200 run prints them go to the kind they are, float8
+    multiplies before the plain ones (CUTLASS and cuBLAS name both), and the table shows each kind that took time."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import OTHER_KIND, RunResult, kernel_kind
+
+    expected = {
+        "sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": (
+            "float8 matmul"
+        ),
+        "void cutlass::device_kernel<cutlass_90_tensorop_f8f8bf16_rowwise_gemm_128x128x128_1x2x1>": "float8 matmul",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NTN": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true, true>": "attention",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "Triton (compiled)",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "Memcpy DtoD (Device -> Device)": "copy and fill",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "copy and fill",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>>>": OTHER_KIND,
+    }
+    assert {name: kernel_kind(name) for name in expected} == expected
+
+    args = bench_mfu.parse(["--profile", "2", "--variants", "modelpar,float8-tensorwise"])
+    assert args.profile == 2
+
+    def run(variant: str, ms: dict[str, float]) -> RunResult:
+        result = RunResult(variant, 4, 2048, "NVIDIA H200", "2.11.0+cu130", 989.4, 60000.0)
+        result.profile_ms = {"step": 125.0, "busy": sum(ms.values()), **ms}
+        return result
+
+    kinds = {"float8 matmul": 0.0, "attention": 9.0, "matmul": 80.0, "communication": 0.0, "Triton (compiled)": 20.0}
+    runs = {
+        "modelpar": [run("modelpar", kinds)],
+        "float8-tensorwise": [run("float8-tensorwise", {**kinds, "float8 matmul": 50.0, "matmul": 6.0})],
+    }
+    bench_mfu.report_profiles(runs)
+    printed = capsys.readouterr().out
+    assert "| variant | step | busy | float8 matmul | attention | matmul | Triton (compiled) |" in printed, printed
+    assert "| modelpar | 125.00 | 109.00 | 0.00 | 9.00 | 80.00 | 20.00 |" in printed, printed
+    assert "| float8-tensorwise | 125.00 | 85.00 | 50.00 | 9.00 | 6.00 | 20.00 |" in printed, printed
+    assert "communication" not in printed.split("| variant |")[1], printed  # no run spent time there
