@@ -1,15 +1,15 @@
 """The one-screen summary that ``scripts/gpu-check.sh`` ends with, and writes to ``$OUT/summary.txt``.
 
     python tests/gpu/gpu_summary.py OUT --exit N --pytest-exit N --pytest-seconds S [--bench-exit N
-        --bench-seconds S] [--float8-exit N --float8-seconds S | --float8-not-run REASON] --wall-seconds S
+        --bench-seconds S] [--float8-in-bench RECIPES | --float8-not-run REASON] --wall-seconds S
 
 A GPU run is rare (a task may be lent a machine for minutes), so its result has to be readable at a glance
 and pasted whole into an issue: per test file the passed/failed/skipped counts, each failure's test with its
-own error line, each skip's reason, what the probe found torch alone could run, the benchmark's summary
-lines, the float8 comparison's (or why it did not run: torchao missing is no failure, but must not pass
-unseen), the environment, and the wall time. Read from the files the script wrote (``junit.xml``,
-``figures.txt``, ``bench_mfu.txt``, ``bench_float8.txt``, ``environment.txt``, ``pytest.log``); a missing or
-broken one is said so, never a reason to print nothing.
+own error line, each skip's reason, what the probe found torch alone could run, the benchmark's table, the
+float8 comparison's ``[summary]`` lines (its runs are the benchmark's; or why it did not run: torchao missing is
+no failure, but must not pass unseen), the environment, and the wall time. Read from the files the script wrote
+(``junit.xml``, ``figures.txt``, ``bench_mfu.txt``, ``bench_float8.txt``, ``environment.txt``, ``pytest.log``); a
+missing or broken one is said so, never a reason to print nothing.
 """
 
 from __future__ import annotations
@@ -136,17 +136,20 @@ def probe_lines(figures: Path) -> list[str]:
     return lines
 
 
-def bench_lines(bench: Path) -> list[str]:
-    """The benchmark's ``[summary]`` lines if it prints any; else its last lines, less library chatter."""
+def bench_lines(bench: Path, *, marked: bool = True) -> list[str]:
+    """The benchmark's ``[summary]`` lines if it prints any (and ``marked``); else its last lines that are
+    neither ``[summary]`` lines nor library chatter (the table and the ratios under it)."""
     lines = [line.rstrip() for line in _read_lines(bench) if line.strip() and not line.startswith("== ")]
-    marked = [line for line in lines if line.startswith("[summary]")]
-    if marked:
-        return [f"  {line}" for line in marked]
-    return [f"  {line}" for line in lines if not _CHATTER.search(line)][-BENCH_TAIL:]
+    summary = [line for line in lines if line.startswith("[summary]")]
+    if marked and summary:
+        return [f"  {line}" for line in summary]
+    rest = [line for line in lines if line not in summary and not _CHATTER.search(line)]
+    return [f"  {line}" for line in rest][-BENCH_TAIL:]
 
 
-#: Lines torch, Lightning and warnings print into the benchmark's output: not its results.
-_CHATTER = re.compile(r"^\[rank\d|^Using |^You are using|^\s*warnings\.warn|Warning:|^W\d{4} ")
+#: Lines torch, Lightning, torchao (its extensions for other GPUs) and warnings print into the benchmark's output:
+#: not its results.
+_CHATTER = re.compile(r"^\[rank\d|^Using |^You are using|^\s*warnings\.warn|Warning:|^W\d{4} |^Failed to load ")
 
 
 def environment_line(environment: Path) -> list[str]:
@@ -201,23 +204,23 @@ def render(out: Path, args: argparse.Namespace) -> list[str]:
         lines.append("benchmark: left out (GPU_CHECK_SKIP_MFU=1)")
     else:
         lines.append(f"benchmark (benchmarks/bench_mfu.py, exit {args.bench_exit}, {args.bench_seconds:.0f} s):")
-        lines += bench_lines(out / "bench_mfu.txt") or ["  (no output: read bench_mfu.txt)"]
+        lines += bench_lines(out / "bench_mfu.txt", marked=False) or ["  (no output: read bench_mfu.txt)"]
     lines += float8_lines(out, args)
     bench = f", benchmark {args.bench_seconds:.0f} s" if args.bench_exit is not None else ""
-    bench += f", float8 {args.float8_seconds:.0f} s" if args.float8_exit is not None else ""
     lines.append(f"wall time: {_duration(args.wall_seconds)} (pytest {args.pytest_seconds:.0f} s{bench})")
-    written = _files(out, args.bench_exit is not None, float8=args.float8_exit is not None or bool(args.float8_not_run))
+    written = _files(out, args.bench_exit is not None)
     lines.append(f"gpu-check: exit {args.exit}; results in {out}/ ({', '.join(written)})")
     return [line if len(line) <= WIDTH else line[: WIDTH - 3] + "..." for line in lines]
 
 
 def float8_lines(out: Path, args: argparse.Namespace) -> list[str]:
-    """The float8 comparison (``bench_mfu.py --float8``): its ``[summary]`` lines, or why it did not run."""
-    if args.float8_exit is not None:
-        ran = f"exit {args.float8_exit}, {args.float8_seconds:.0f} s"
+    """The float8 comparison (``bench_mfu.py --float8``, run as part of the benchmark): its ``[summary]`` lines,
+    or why it did not run."""
+    if args.float8_in_bench and args.bench_exit is not None:
+        summary = [line for line in bench_lines(out / "bench_mfu.txt") if line.startswith("  [summary]")]
         return [
-            f"float8 comparison (benchmarks/bench_mfu.py --float8, {ran}):",
-            *(bench_lines(out / "bench_float8.txt") or ["  (no output: read bench_float8.txt)"]),
+            f"float8 comparison (--float8 {args.float8_in_bench}, in the benchmark's runs above):",
+            *(summary or ["  (no [summary] lines: read bench_mfu.txt)"]),
         ]
     if args.float8_not_run:
         return [f"float8 comparison: not run: {args.float8_not_run}"]
@@ -226,10 +229,11 @@ def float8_lines(out: Path, args: argparse.Namespace) -> list[str]:
     return ["float8 comparison: not run (gpu-check.sh gave no reason)"]
 
 
-def _files(out: Path, bench_ran: bool, *, float8: bool = False) -> list[str]:
-    """The result files this run wrote (an earlier run's ``bench_mfu.txt`` is not this run's)."""
+def _files(out: Path, bench_ran: bool) -> list[str]:
+    """The result files this run wrote (an earlier run's ``bench_mfu.txt`` is not this run's; gpu-check.sh removes
+    an earlier ``bench_float8.txt``, the float8 check's output)."""
     names = ["environment.txt", "pytest.log", "figures.txt", "junit.xml", *(["bench_mfu.txt"] if bench_ran else [])]
-    names += ["bench_float8.txt"] if float8 else []
+    names += ["bench_float8.txt"] if bench_ran else []
     return [name for name in names if (out / name).exists()] + ["summary.txt"]
 
 
@@ -253,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pytest-seconds", type=float, required=True)
     p.add_argument("--bench-exit", type=int, default=None, help="left out: the benchmark did not run")
     p.add_argument("--bench-seconds", type=float, default=0.0)
-    p.add_argument("--float8-exit", type=int, default=None, help="left out: the float8 comparison did not run")
-    p.add_argument("--float8-seconds", type=float, default=0.0)
+    p.add_argument("--float8-in-bench", default=None, help="the recipes the benchmark compared with bf16")
     p.add_argument("--float8-not-run", default=None, help="why the float8 comparison did not run")
     p.add_argument("--wall-seconds", type=float, required=True)
     args = p.parse_args(argv)

@@ -158,7 +158,7 @@ def _summary(tmp_path: Path, *, junit: bool = True, bench: bool = True, **float8
         )
     args = argparse.Namespace(
         exit=1, pytest_exit=1, pytest_seconds=85.0, bench_exit=0 if bench else None, bench_seconds=46.0,
-        wall_seconds=140.0, float8_exit=None, float8_seconds=0.0, float8_not_run=None,
+        wall_seconds=140.0, float8_in_bench=None, float8_not_run=None,
     )  # fmt: skip
     vars(args).update(float8)
     return gpu_summary.render(tmp_path, args)
@@ -191,18 +191,26 @@ def test_the_summary_says_what_is_missing_rather_than_nothing(tmp_path: Path) ->
     assert "float8 comparison: left out with the benchmark (GPU_CHECK_SKIP_MFU=1)" in text, text
 
 
-def test_the_summary_shows_the_float8_comparisons_summary_lines(tmp_path: Path) -> None:
-    (tmp_path / "bench_float8.txt").write_text(
-        "== benchmarks/bench_mfu.py --float8 tensorwise ==\nFailed to load torchao/_C_mxfp8.so\n"
-        "| modelpar | 65900 |\n[summary] float8 vs bf16 (modelpar, the same plan and data): NVIDIA H200\n"
+def test_the_summary_shows_the_benchmarks_table_and_the_float8_comparisons_summary_lines(tmp_path: Path) -> None:
+    """One benchmark run holds both (gpu-check.sh runs the float8 variants beside the bf16 ones): the benchmark's
+    part shows the table, the float8 part its ``[summary]`` lines, each once."""
+    (tmp_path / "bench_mfu.txt").write_text(
+        "== benchmarks/bench_mfu.py --float8 tensorwise --variants modelpar,lightning,torch ==\n"
+        "Failed to load torchao/_C_mxfp8.so\n| variant | tokens/s |\n| modelpar | 65900 |\n"
+        "| float8-tensorwise | 80100 |\nmodelpar / torch by hand: 1.014x\n"
+        "[summary] float8 vs bf16 on NVIDIA H200, torch 2.11.0+cu130, torchao 0.18.0\n"
         "[summary]   float8-tensorwise: 80100 tokens/s; 1.215x bf16's tokens/s (goal at least 1.2x: met)\n"
     )
-    text = "\n".join(_summary(tmp_path, float8_exit=0, float8_seconds=70.0))
-    assert "float8 comparison (benchmarks/bench_mfu.py --float8, exit 0, 70 s):" in text, text
-    assert "  [summary]   float8-tensorwise: 80100 tokens/s; 1.215x bf16's tokens/s (goal at least 1.2x: met)" in text
-    assert "Failed to load" not in text and "| modelpar |" not in text, text
-    assert "wall time: 2 min 20 s (pytest 85 s, benchmark 46 s, float8 70 s)" in text, text
-    assert "bench_float8.txt" in text.splitlines()[-1], text
+    (tmp_path / "bench_float8.txt").write_text("== can torchao train in float8 here? ==\n")
+    text = "\n".join(_summary(tmp_path, bench=False, bench_exit=0, float8_in_bench="tensorwise"))
+    benchmark, float8 = text.split("benchmark (")[1].split("float8 comparison")
+    assert "  | float8-tensorwise | 80100 |\n  modelpar / torch by hand: 1.014x" in benchmark, text
+    assert "[summary]" not in benchmark and "Failed to load" not in benchmark, text
+    assert float8.startswith(" (--float8 tensorwise, in the benchmark's runs above):\n"), text
+    assert "  [summary]   float8-tensorwise: 80100 tokens/s; 1.215x bf16's tokens/s (goal at least 1.2x: met)" in float8
+    assert "| modelpar |" not in float8, text
+    assert "wall time: 2 min 20 s (pytest 85 s, benchmark 46 s)" in text, text
+    assert "bench_mfu.txt, bench_float8.txt, summary.txt)" in text.splitlines()[-1], text
 
 
 def test_the_summary_reports_a_float8_comparison_that_did_not_run_with_its_reason(tmp_path: Path) -> None:
