@@ -3,7 +3,10 @@ pytest-xdist (``scripts/test.sh`` runs ``-n 2``), which worker runs what."""
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,13 +15,41 @@ import pytest
 from harness import SCRATCH_VARIABLE
 from object_store import S3Server, s3_environment, start_s3_server
 
+_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _user() -> str:
+    """The user name as inductor's default cache folder spells it (torch's ``default_cache_dir``: characters a
+    path cannot hold as ``_``; ``uid_N`` where the system knows no name for the user)."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        name = f"uid_{os.getuid()}"
+    return re.sub(r'[\\/:*?"<>|]', "_", name)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_in_pytests_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Folders the tests' helpers make for themselves (``trainer_module``) go under pytest's temporary tree."""
-    os.environ[SCRATCH_VARIABLE] = str(tmp_path_factory.mktemp("scratch"))
+    """Folders the tests' helpers make for themselves (``trainer_module``), and every temporary file of this process,
+    its ranks and the programs it launches (``TMPDIR``), go under pytest's temporary tree, which pytest prunes.
+
+    Not only our own: torchrun's agent makes a ``torchelastic_*`` folder in the temporary directory for every launch
+    and leaves it there (about 5 a run of the suite).
+    """
+    scratch = str(tmp_path_factory.mktemp("scratch"))
+    saved = {name: os.environ.get(name) for name in (SCRATCH_VARIABLE, "TMPDIR", _INDUCTOR_CACHE)}
+    # inductor's compile cache is a cache, kept across runs on purpose: it stays where torch puts it by default
+    # (torch's default_cache_dir(), from the temporary directory as it was), not in a folder pytest prunes.
+    os.environ.setdefault(_INDUCTOR_CACHE, os.path.join(tempfile.gettempdir(), "torchinductor_" + _user()))
+    os.environ[SCRATCH_VARIABLE] = os.environ["TMPDIR"] = scratch
+    tempfile.tempdir = None  # this process reads TMPDIR again at its next temporary file
     yield
-    os.environ.pop(SCRATCH_VARIABLE, None)
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import os
 import pickle
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -101,6 +102,7 @@ def _process_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str,
 def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...], out: Any) -> None:
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # the fork server may hold the temporary directory of its start: read TMPDIR again
     import torch
 
     torch.set_num_threads(1)
