@@ -329,3 +329,19 @@ def test_the_benchmarks_profile_sorts_kernels_by_kind(
     assert "| modelpar | 125.00 | 109.00 | 0.00 | 9.00 | 80.00 | 20.00 |" in printed, printed
     assert "| float8-tensorwise | 125.00 | 85.00 | 50.00 | 9.00 | 6.00 | 20.00 |" in printed, printed
     assert "communication" not in printed.split("| variant |")[1], printed  # no run spent time there
+
+
+def test_a_crash_probes_record_names_the_rank_whose_call_failed_not_its_peers_echo() -> None:
+    """On an H200, ``batch_isend_irecv`` failed on one rank (``writev``: a device pointer handed to a socket) and its
+    peer saw only "Connection closed by peer": the record keeps the cause, a crash first, each distinct error once."""
+    trace = 'Traceback (most recent call last):\n  File "torch_probe.py", line 9, in _crash_step\n    work.wait()\n'
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:23448"
+    cause = "RuntimeError: [gloo/transport/tcp/pair.cc:339] writev [127.0.0.1]:42154: Bad address"
+    report = f"2 of 2 ranks failed:\n--- rank 0 ---\n{trace}{peer}\n--- rank 1 ---\n{trace}{cause}\n"
+    assert torch_probe._crash_message(report) == f"{cause} (rank 1)"
+    same = f"2 of 2 ranks failed:\n--- rank 0 ---\n{trace}{cause}\n--- rank 1 ---\n{trace}{cause}\n"
+    assert torch_probe._crash_message(same) == cause  # the same on every rank: once, as before
+    crashed = f"2 of 2 ranks failed:\n--- rank 0 ---\n{trace}{peer}\n--- rank 1 ---\nprocess exited with code -11\n"
+    assert torch_probe._crash_message(crashed) == "crashed: SIGSEGV (process exited with code -11)"
+    timed_out = "1 of 2 ranks failed:\n--- rank -1 ---\ntimed out after 180s; ranks without a result: [1]\n"
+    assert torch_probe._crash_message(timed_out) == "timed out after 180s; ranks without a result: [1]"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -71,15 +72,36 @@ def probe_crashes(world_size: int, device_type: str) -> dict[str, str | None]:
 
 
 def _crash_message(report: str) -> str:
-    """One line from the harness's report of failed ranks: a signal by name, else the exception's last line."""
-    lines = [line.strip() for line in report.splitlines() if line.strip()]
-    for line in lines:
-        if line.startswith("process exited with code -"):
-            code = int(line.split("code ")[1].split()[0])
+    """One line from the harness's report of failed ranks: each rank's own outcome (a signal by name, else the
+    exception's last line), the distinct ones joined, a crash first.
+
+    Every rank counts: where one rank's call fails and takes the group down, the others report only "Connection
+    closed by peer"; the cause is the first one's (on an H200, ``batch_isend_irecv``: ``writev ...: Bad address``).
+    """
+    sections = re.split(r"^--- rank (-?\d+) ---$", report, flags=re.MULTILINE)
+    by_text: dict[str, list[str]] = {}  # each distinct outcome and its ranks; a crash sorts first
+    for rank, body in zip(sections[1::2], sections[2::2], strict=False):
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        exited = [line for line in lines if line.startswith("process exited with code -")]
+        if exited:
+            code = int(exited[0].split("code ")[1].split()[0])
             names = {-11: "SIGSEGV", -6: "SIGABRT", -7: "SIGBUS", -9: "SIGKILL"}
-            return f"crashed: {names.get(code, f'signal {-code}')} ({line})"
-    raised = [line for line in lines if not line.startswith(("---", "Traceback", "File ")) and ":" in line]
-    return (raised[-1] if raised else lines[-1] if lines else "failed with no report")[:200]
+            text = f"crashed: {names.get(code, f'signal {-code}')} ({exited[0]})"
+        else:
+            raised = [line for line in lines if not line.startswith(("Traceback", "File ", "^")) and ":" in line]
+            text = raised[-1] if raised else lines[-1] if lines else "failed with no report"
+        by_text.setdefault(text, []).append(rank)
+    if not by_text:
+        lines = [line.strip() for line in report.splitlines() if line.strip()]
+        return (lines[-1] if lines else "failed with no report")[:300]
+    causes = {t: r for t, r in by_text.items() if "Connection closed by peer" not in t} or by_text
+    ordered = sorted(causes.items(), key=lambda item: not item[0].startswith("crashed"))
+    parts = []
+    for text, ranks in ordered:
+        named = [r for r in ranks if r != "-1"]  # -1: the harness's own line (a timeout), no rank of its own
+        where = f" (rank{'s' if len(named) > 1 else ''} {', '.join(named)})" if named and len(by_text) > 1 else ""
+        parts.append(text + ("" if text.startswith("crashed") else where))
+    return "; ".join(parts)[:300]
 
 
 def _crash_step(name: str, device_type: str) -> None:
