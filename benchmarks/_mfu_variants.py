@@ -15,7 +15,11 @@ The variants train the same model on the same data with the same FSDP2 bf16 poli
   the pitfall on a GPU; not among the default variants;
 * ``float8-<recipe>`` (``float8-tensorwise``, ``float8-rowwise``, ``float8-rowwise_with_gw_hp``): the ``modelpar``
   variant with ``ParallelPlan(float8=<recipe>)`` (torchao's float8 training; ``bench_mfu.py --float8``). On the CPU
-  smoke check it is emulated (float8's casts and scales, high-precision multiplies): its speed means nothing there.
+  smoke check it is emulated (float8's casts and scales, high-precision multiplies): its speed means nothing there;
+* ``float8-tensorwise-bf16gather``: tensorwise with FSDP2's float8 all-gather off (``all_gather=False``): weights
+  gathered in bf16 and cast inside the compiled blocks. On one GPU there is nothing to gather, and torchtitan turns
+  the float8 all-gather on only when FSDP shards over more than one rank; beside ``float8-tensorwise`` it shows what
+  the float8 all-gather's casts in FSDP2's eager hooks cost there (:data:`FLOAT8_SETTINGS`).
 
 Every step's loss comes back too (read after the timed steps, so that reading it costs no synchronization inside
 them): ``--float8`` compares float8's loss curve with bf16's.
@@ -122,12 +126,23 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke check)"
 
 
+#: The float8 settings the benchmark runs: name -> (torchao's recipe, ``Float8Training(all_gather=...)``). Each
+#: recipe as modelpar's default sets it, and tensorwise with the float8 all-gather off.
+FLOAT8_SETTINGS: dict[str, tuple[str, bool | None]] = {
+    **{recipe: (recipe, None) for recipe in RECIPES},
+    "tensorwise-bf16gather": ("tensorwise", False),
+}
+
+
 def plan(args: argparse.Namespace, float8: str | None = None) -> Any:
     """``LLAMA_PLAN`` with ``--ac`` and compile: what the modelpar and Lightning variants apply; with ``float8`` (a
-    recipe) the float8 variant's, emulated where there is no GPU (the CPU smoke check)."""
+    name of :data:`FLOAT8_SETTINGS`) the float8 variant's, emulated where there is no GPU (the CPU smoke check)."""
     from modelpar.plans import LLAMA_PLAN
 
-    spec = Float8Training(float8, emulate=DEVICE.type != "cuda") if float8 is not None else None  # type: ignore[arg-type]
+    spec = None
+    if float8 is not None:
+        recipe, all_gather = FLOAT8_SETTINGS[float8]
+        spec = Float8Training(recipe, all_gather=all_gather, emulate=DEVICE.type != "cuda")  # type: ignore[arg-type]
     return LLAMA_PLAN.replace(activation_checkpointing=args.ac, compile=not args.no_compile, float8=spec)
 
 
@@ -397,7 +412,7 @@ RUNNERS: dict[str, Callable[[LlamaConfig, list[Batch], argparse.Namespace], Timi
     "lightning": run_lightning,
     "torch": run_torch,
     "torch-partial": partial(run_torch, as_partial=True),
-    **{float8_variant(recipe): partial(run_modelpar, float8=recipe) for recipe in RECIPES},
+    **{float8_variant(setting): partial(run_modelpar, float8=setting) for setting in FLOAT8_SETTINGS},
 }
 
 

@@ -50,6 +50,9 @@ of the per-step losses over the timed steps (each variant's curve: the per-step 
 ``--loss-rtol`` (default: the 2% that ``docs/float8.md`` states). A machine that cannot run float8 (no torchao, or
 a GPU of compute capability below 8.9) gets the reason and no float8 run; without a GPU the float8 variants are
 emulated (the smoke check: their figures mean nothing).
+
+``--float8 tensorwise-bf16gather`` runs tensorwise with FSDP2's float8 all-gather off (weights gathered in bf16 and
+cast inside the compiled blocks): beside ``tensorwise`` on one GPU, what the float8 all-gather's eager casts cost.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from pathlib import Path
 
 import torch
 from _mfu_variants import (
+    FLOAT8_SETTINGS,
     RESULT_PREFIX,
     RUNNERS,
     RunResult,
@@ -77,7 +81,6 @@ from _mfu_variants import (
     run_worker,
 )
 
-from modelpar.float8 import RECIPES
 from modelpar.models import Llama, LlamaConfig
 
 #: ``--repeats`` left out: this many rounds, a later one only if the rounds so far predict it ends within
@@ -121,7 +124,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--float8",
         default=None,
         metavar="RECIPES",
-        help=f"float8 against bf16: a recipe or a comma list of {', '.join(RECIPES)} (adds float8-<recipe> variants)",
+        help=f"float8 against bf16: a comma list of {', '.join(FLOAT8_SETTINGS)} (adds float8-<name> variants;"
+        " tensorwise-bf16gather: tensorwise with FSDP2's float8 all-gather off)",
     )
     p.add_argument(
         "--data",
@@ -164,9 +168,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-float8", action="store_true", help=argparse.SUPPRESS)  # can this machine run float8?
     args = p.parse_args(argv)
     recipes = args.float8.split(",") if args.float8 is not None else []
-    wrong = [r for r in recipes if r not in RECIPES]
+    wrong = [r for r in recipes if r not in FLOAT8_SETTINGS]
     if wrong or (args.float8 is not None and not recipes):
-        p.error(f"--float8 {args.float8!r}: unknown {wrong}; choose from {', '.join(RECIPES)} (a comma list)")
+        p.error(f"--float8 {args.float8!r}: unknown {wrong}; choose from {', '.join(FLOAT8_SETTINGS)} (a comma list)")
     if args.float8 is not None and args.sweep:
         p.error("--sweep runs modelpar alone over sizes; --float8 compares variants at one size: use one of them")
     #: Whether the bf16 baseline runs only because float8 variants are compared with it (not asked for by name).
@@ -207,7 +211,8 @@ def estimate(args: argparse.Namespace, batch: int, seq: int, float8: str | None 
 
     Computed on the meta device (no memory, no process group): one rank, the ``"bf16-mixed"`` policy the strategy
     derives (the hand-written variant uses the same one), AdamW, ``batch`` x ``seq`` tokens under ``--ac``; with
-    ``float8`` (a recipe) for the float8 variant's plan, so the estimate counts what it knows of float8.
+    ``float8`` (a name of ``FLOAT8_SETTINGS``) for the float8 variant's plan, so the estimate counts what it knows
+    of float8.
     """
     from modelpar import estimate_memory
 

@@ -345,3 +345,20 @@ def test_a_crash_probes_record_names_the_rank_whose_call_failed_not_its_peers_ec
     assert torch_probe._crash_message(crashed) == "crashed: SIGSEGV (process exited with code -11)"
     timed_out = "1 of 2 ranks failed:\n--- rank -1 ---\ntimed out after 180s; ranks without a result: [1]\n"
     assert torch_probe._crash_message(timed_out) == "timed out after 180s; ranks without a result: [1]"
+
+
+def test_the_benchmark_runs_tensorwise_with_and_without_the_float8_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--float8 tensorwise,tensorwise-bf16gather``: the same recipe, FSDP2's float8 all-gather on (modelpar's
+    default) and off, so one GPU run shows what its casts in FSDP2's eager hooks cost where nothing is gathered."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RUNNERS, plan
+
+    args = bench_mfu.parse(["--float8", "tensorwise,tensorwise-bf16gather", "--no-compile"])
+    assert args.variants == "modelpar,float8-tensorwise,float8-tensorwise-bf16gather", args.variants
+    assert {"float8-tensorwise", "float8-tensorwise-bf16gather"} <= set(RUNNERS)
+    default, off = plan(args, "tensorwise").float8, plan(args, "tensorwise-bf16gather").float8
+    assert default.recipe == off.recipe == "tensorwise", (default, off)
+    assert default.gathers_in_float8 and not off.gathers_in_float8, (default, off)
+    with pytest.raises(SystemExit):
+        bench_mfu.parse(["--float8", "rowwise-bf16gather"])
