@@ -261,12 +261,11 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
             step(x, y)
         sync()
         wall = time.perf_counter() - start
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if on_gpu else []
-    if on_gpu and not kernels:  # no kernel events of their own: the operators' device time (nested ops excluded)
-        kernels = list(events)
+    events = list(prof.key_averages())
+    if on_gpu:  # the kernels; without kernel events of their own, the operators' device time (nested ops excluded)
+        events = [e for e in events if e.device_type == DeviceType.CUDA] or events
     per_kernel: dict[str, tuple[float, int]] = {}
-    for event in kernels if on_gpu else events:
+    for event in events:
         micros = event.self_device_time_total if on_gpu else event.self_cpu_time_total
         if micros > 0:
             total, count = per_kernel.get(event.key, (0.0, 0))

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from harness import SCRATCH_VARIABLE
 from object_store import S3Server, s3_environment, start_s3_server
 
 _INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
@@ -30,18 +29,19 @@ def _user() -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_in_pytests_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Folders the tests' helpers make for themselves (``trainer_module``), and every temporary file of this process,
-    its ranks and the programs it launches (``TMPDIR``), go under pytest's temporary tree, which pytest prunes.
+    """Every temporary file of this process, its ranks and the programs it launches (``TMPDIR``), the folders the
+    tests' helpers make for themselves (``trainer_module``) included, goes under pytest's temporary tree, which
+    pytest prunes (it keeps the last three runs).
 
     Not only our own: torchrun's agent makes a ``torchelastic_*`` folder in the temporary directory for every launch
     and leaves it there (about 5 a run of the suite).
     """
     scratch = str(tmp_path_factory.mktemp("scratch"))
-    saved = {name: os.environ.get(name) for name in (SCRATCH_VARIABLE, "TMPDIR", _INDUCTOR_CACHE)}
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", _INDUCTOR_CACHE)}
     # inductor's compile cache is a cache, kept across runs on purpose: it stays where torch puts it by default
     # (torch's default_cache_dir(), from the temporary directory as it was), not in a folder pytest prunes.
     os.environ.setdefault(_INDUCTOR_CACHE, os.path.join(tempfile.gettempdir(), "torchinductor_" + _user()))
-    os.environ[SCRATCH_VARIABLE] = os.environ["TMPDIR"] = scratch
+    os.environ["TMPDIR"] = scratch
     tempfile.tempdir = None  # this process reads TMPDIR again at its next temporary file
     yield
     for name, value in saved.items():

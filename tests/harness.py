@@ -25,10 +25,6 @@ from typing import Any
 
 #: Process-group timeout for tests: long enough for a slow CI machine, short enough to end a hang.
 PG_TIMEOUT = timedelta(seconds=90)
-#: Set by ``tests/conftest.py`` to a folder in pytest's own temporary tree, which pytest prunes (it keeps the last
-#: three runs); the ranks inherit it with the environment. Helpers that make folders of their own
-#: (``trainer_module``) make them there; unset (a process started outside pytest), in the system's.
-SCRATCH_VARIABLE = "MODELPAR_TEST_SCRATCH"
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ chosen by :func:`use_namespace`; :func:`lightning` returns that namespace's clas
 from __future__ import annotations
 
 import importlib
-import os
 import tempfile
 from functools import cache
 from types import SimpleNamespace
@@ -21,7 +20,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from harness import SCRATCH_VARIABLE
 from modelpar.plans import parallelize_llama
 from parity import CFG, GLOBAL_BATCH, adamw, global_batches, lm_loss, reference_model
 
@@ -172,9 +170,9 @@ def lightning() -> SimpleNamespace:
 
 @cache
 def _scratch_root() -> str:
-    """One folder per process for the Trainer's ``default_root_dir``; forked ranks never run ``atexit``, so a
-    folder of the system's temporary directory would stay behind (150 after a day of runs)."""
-    return tempfile.mkdtemp(prefix="modelpar-trainer-", dir=os.environ.get(SCRATCH_VARIABLE))
+    """One folder per process for the Trainer's ``default_root_dir``. Forked ranks never run ``atexit``, so it stays
+    behind: under pytest it is made in pytest's own tree, which ``TMPDIR`` points at (``tests/conftest.py``)."""
+    return tempfile.mkdtemp(prefix="modelpar-trainer-")
 
 
 def quiet_trainer(**kwargs: Any) -> Any:
