@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from lightning_fabric import Fabric
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness import PG_TIMEOUT
 from modelpar import ModelParallelStrategy
+from modelpar._init.blocks import local_view
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import parallelize_llama
 
@@ -104,17 +105,22 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def mine_and_theirs(t: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's part of ``t`` and the same part of the whole reference tensor ``ref``, without a collective.
 
-    A DTensor sharded or replicated (FSDP2's strided shards over TP included) is compared shard by shard: the
-    reference is cut with the DTensor's own placements (``src_data_rank=None``: each rank cuts its copy), so
-    every element is still compared, on the rank that holds it, at no communication. Gathering every tensor
-    instead cost a quarter of a grid's time. A partial sum (``Partial``) is gathered as before.
+    A DTensor sharded or replicated is compared shard by shard, so every element is still compared, on the rank
+    that holds it, at no communication (gathering every tensor instead cost a quarter of a grid's time). The part
+    of the reference is the block FSDP2 holds, FSDP over TP's ``_StridedShard`` included: ``local_view``'s block
+    arithmetic, checked against what FSDP2 itself holds (uneven sizes included) in ``test_meta_init_on_cpu.py``.
+    Recent torch no longer makes ``_StridedShard`` a ``Shard`` subclass (2.13 does not), and cutting the reference
+    with ``distribute_tensor`` (``src_data_rank=None``) reads it differently where sizes do not divide, so that path is
+    left for placements the block arithmetic does not cut. A partial sum (``Partial``) is gathered.
     """
     if not isinstance(t, DTensor):
         return t, ref
-    if all(isinstance(p, Shard | Replicate) for p in t.placements):
-        part = distribute_tensor(ref.detach(), t.device_mesh, t.placements, src_data_rank=None)
-        return t.to_local(), part.to_local()
-    return t.full_tensor(), ref
+    if any(p.is_partial() for p in t.placements):
+        return t.full_tensor(), ref
+    part = local_view(ref.detach(), t)
+    if part is None:
+        part = distribute_tensor(ref.detach(), t.device_mesh, t.placements, src_data_rank=None).to_local()
+    return t.to_local(), part
 
 
 def shard_difference(t: torch.Tensor, ref: torch.Tensor) -> float:
