@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
@@ -53,6 +55,17 @@ def use_namespace(namespace: str) -> None:
     if namespace not in TRAINER_NAMESPACES:
         raise ValueError(f"unknown Trainer namespace {namespace!r}")
     _namespace = namespace
+
+
+@contextmanager
+def namespace_of(namespace: str) -> Iterator[None]:
+    """:func:`use_namespace` for a block, then the namespace in use before it."""
+    before = _namespace
+    use_namespace(namespace)
+    try:
+        yield
+    finally:
+        use_namespace(before)
 
 
 class _LlamaBody:

@@ -1,11 +1,11 @@
 """The Trainer strategy on real gloo process groups, every training run checked against a reference.
 
 Per Lightning namespace (``pytorch_lightning`` and ``lightning.pytorch``), spawn 1: 2 processes (meshes 2x1
-and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`, one Trainer re-running
-fit / validate / test / predict / fit on one module, and ``save_checkpoint`` into existing folders. Spawn 2: 4 processes as two
-nodes: 2x2 fit, checkpoints in both formats through ModelCheckpoint, resuming on another layout, and
-checkpoints written by Lightning's own strategy. Single-device Trainer runs in the test process check the
-interchange with non-sharded runs.
+and 1x2): fit / validate / test / predict, accumulation, clipping, `sync_dist`, precisions, CPU offload, one Trainer
+re-running fit / validate / test / predict / fit on one module, and ``save_checkpoint`` into existing folders. Spawn 2,
+in one namespace (:data:`FOUR_NAMESPACE`): 4 processes as two nodes: 2x2 fit, checkpoints in both formats through
+ModelCheckpoint, resuming on another layout, and checkpoints written by Lightning's own strategy. Single-device
+Trainer runs in the test process check the interchange with non-sharded runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from trainer_module import (
     TRAINER_NAMESPACES,
     lightning,
     loader,
+    namespace_of,
     parallelize_lightning_module,
     quiet_trainer,
     reference_run,
@@ -447,13 +448,21 @@ def two(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[s
     return run_distributed(grid_two, 2, namespace, tmp_path_factory.mktemp("trainer-two"))
 
 
+#: The one namespace of the 4-process grid. Both namespaces run the 2-process grid (every stage, precision, offload
+#: and save); modelpar resolves the namespace in one place, and what the 4-process grid adds (ModelCheckpoint,
+#: resuming on another layout, Lightning's checkpoints, single-device interchange) reads files, not classes. Run
+#: in both namespaces, this grid took 60 s of CPU more on 2 cores (2026-11-27).
+FOUR_NAMESPACE = "lightning.pytorch"
+
+
 @pytest.fixture(scope="module")
-def four(namespace: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+def four(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("trainer")
-    checkpoint = lightning().ModelCheckpoint(dirpath=root / "single-device")
-    single = _single_device_trainer(max_epochs=1, callbacks=[checkpoint])
-    single.fit(lightning().LlamaModule(), loader(GLOBAL_BATCH))
-    return root, run_distributed(grid_four, 4, root, namespace, nodes=2)
+    with namespace_of(FOUR_NAMESPACE):
+        checkpoint = lightning().ModelCheckpoint(dirpath=root / "single-device")
+        single = _single_device_trainer(max_epochs=1, callbacks=[checkpoint])
+        single.fit(lightning().LlamaModule(), loader(GLOBAL_BATCH))
+    return root, run_distributed(grid_four, 4, root, FOUR_NAMESPACE, nodes=2)
 
 
 @pytest.mark.parametrize("layout", ["2x1", "1x2"])
@@ -509,9 +518,10 @@ def test_checkpoints_from_lightnings_model_parallel_strategy_resume_here(four, d
 def test_single_device_checkpoints_resume_here_and_ours_resume_on_a_single_device(four):
     root, results = four
     assert all(r["single_device"] for r in results)
-    module = lightning().LlamaModule()
-    t = _single_device_trainer(max_epochs=3)
-    t.fit(module, loader(GLOBAL_BATCH), ckpt_path=root / "from-modelpar-full" / "epoch=1-step=2.ckpt")
+    with namespace_of(FOUR_NAMESPACE):
+        module = lightning().LlamaModule()
+        t = _single_device_trainer(max_epochs=3)
+        t.fit(module, loader(GLOBAL_BATCH), ckpt_path=root / "from-modelpar-full" / "epoch=1-step=2.ckpt")
     torch.testing.assert_close(module.model.state_dict(), reference_run(3)[0].state_dict(), atol=2e-5, rtol=1e-4)
 
 
