@@ -2,7 +2,10 @@
 
 Convention: a ```python block with ``<!-- runs: python -->`` or ``<!-- runs: torchrun --nproc-per-node=N -->`` on
 the line above is a complete program, which this test runs with that command in an empty folder on CPU processes;
-one with ``<!-- signature -->`` is a listing that is not Python; any other block is an excerpt and must compile.
+one with ``<!-- start of: docs/FILE.md -->`` is the beginning of a program in that file, word for word, so it runs
+as that program's first lines (the README's opening block: its own launch of 4 processes cost 39 s of CPU on 2
+cores to run what the quickstart's program runs again); one with ``<!-- signature -->`` is a listing that is not
+Python; any other block is an excerpt and must compile.
 """
 
 from __future__ import annotations
@@ -45,19 +48,31 @@ def blocks() -> list[Block]:
 
 BLOCKS = blocks()
 PROGRAMS = [b for b in BLOCKS if b.marker and b.marker.startswith("runs:")]
+STARTS = [b for b in BLOCKS if b.marker and b.marker.startswith("start of:")]
 EXCERPTS = [b for b in BLOCKS if b.marker is None]
 
 
 def test_every_marker_is_known_and_readme_and_quickstart_have_programs():
-    unknown = [(b.name, b.marker) for b in BLOCKS if b.marker not in (None, "signature") and b not in PROGRAMS]
-    assert not unknown, f"unknown markers (use `runs: COMMAND` or `signature`): {unknown}"
+    unknown = [(b.name, b.marker) for b in BLOCKS if b.marker not in (None, "signature") and b not in PROGRAMS + STARTS]
+    assert not unknown, f"unknown markers (use `runs: COMMAND`, `start of: FILE` or `signature`): {unknown}"
     for program in PROGRAMS:
         command(program, Path("program.py"))  # raises for a launcher the test does not know
     for doc in ("README.md", "docs/quickstart.md"):
-        assert any(b.name.startswith(f"{doc}:") for b in PROGRAMS), f"{doc} has no block marked `runs:`"
+        assert any(b.name.startswith(f"{doc}:") for b in PROGRAMS + STARTS), f"{doc} has no block that runs"
 
 
-@pytest.mark.parametrize("block", [*PROGRAMS, *EXCERPTS], ids=lambda b: b.name)
+@pytest.mark.parametrize("block", STARTS, ids=lambda b: b.name)
+def test_a_start_of_block_begins_a_program_of_its_file_word_for_word(block):
+    doc = block.marker.removeprefix("start of:").strip() if block.marker else ""
+    programs = [p for p in PROGRAMS if p.name.rsplit(":", 1)[0] == doc]
+    assert programs, f"{block.name}: `{block.marker}` names no file with a block marked `runs:`"
+    assert any(p.code.startswith(block.code) for p in programs), (
+        f"{block.name} is not the beginning of a program in {doc} ({[p.name for p in programs]}): copy the "
+        "program's first lines into it, or change both"
+    )
+
+
+@pytest.mark.parametrize("block", [*PROGRAMS, *STARTS, *EXCERPTS], ids=lambda b: b.name)
 def test_block_compiles(block):
     compile(block.code, block.name, "exec")
 
