@@ -21,7 +21,19 @@ __all__ = ["main"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _parser() -> argparse.ArgumentParser:
+#: The estimate's line in ``modelpar -h``.
+_ESTIMATE_HELP = (
+    "per-rank memory of a model on a layout (state, activations, FSDP2 transients, peak); --search: which fit"
+)
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``command``: the subcommand given, if known.
+
+    The ``estimate`` subcommand's choices come from the plans, float8 and pipeline packages, whose imports
+    (``torch.distributed.tensor``, ``torch._dynamo``) took 1.8 s of the 4.1 s a ``convert`` or ``inspect`` spent
+    starting (2026-11-27): its arguments are built only when it is the command, or none is known yet.
+    """
     parser = argparse.ArgumentParser(prog="modelpar", description="Offline tools for modelpar checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     convert = commands.add_parser(
@@ -68,7 +80,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="unpickle any object the checkpoint holds (weights_only=False); only for checkpoints you trust",
     )
-    _estimate_parser(commands)
+    if command in (None, "estimate"):
+        _estimate_parser(commands)
+    else:
+        commands.add_parser("estimate", help=_ESTIMATE_HELP)
     return parser
 
 
@@ -80,7 +95,7 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
 
     estimate = commands.add_parser(
         "estimate",
-        help="per-rank memory of a model on a layout (state, activations, FSDP2 transients, peak); --search: which fit",
+        help=_ESTIMATE_HELP,
         description="Estimate the memory per rank of a model under a parallel plan, from its config alone (the model"
         " is built on the meta device; no process group): parameters, gradients, optimizer states, FSDP2's"
         " transient buffers and, with --seq-len, activations, adding up to the peak. --search lists the layouts"
@@ -281,7 +296,8 @@ def _convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``modelpar`` with ``argv`` (default: the process arguments); return the exit code."""
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser(next((arg for arg in argv if not arg.startswith("-")), None))  # options come after it
     args = parser.parse_args(argv)
     try:
         if args.command == "convert":

@@ -331,14 +331,17 @@ WITHOUT_LIGHTNING = textwrap.dedent(
     import modelpar
     from modelpar._cli import main
 
+    folder, out = sys.argv[1:]
+    codes = [main(["inspect", folder]), main(["convert", folder, out])]
+    # Only the estimate needs the packages behind its choices (torch._dynamo through float8: seconds of start-up).
+    print(sorted(name for name in ("modelpar.float8", "modelpar.plans", "torch._dynamo") if name in sys.modules))
     # What `import modelpar` reached before its names became lazy is still reached, without Lightning.
     # Every public name but the strategy (a Lightning strategy), and every subpackage but the strategy's.
     reached = [getattr(modelpar, name) for name in modelpar.__all__ if name != "ModelParallelStrategy"]
     reached += [modelpar.checkpoint.save_state, modelpar.memory.estimate_memory, modelpar.plans.ParallelPlan,
                 modelpar.models.Llama, modelpar.pipeline.OFFERED_SCHEDULES, modelpar.float8.RECIPES, modelpar.moe,
                 modelpar.legacy, modelpar.context]
-    folder, out = sys.argv[1:]
-    print(main(["inspect", folder]), main(["convert", folder, out]), main(["estimate", "--llama", "{}", "--dp", "2"]))
+    print(*codes, main(["estimate", "--llama", "{}", "--dp", "2"]))
     """
 )
 
@@ -349,6 +352,7 @@ def test_the_command_line_checkpoints_and_the_estimate_run_without_importing_lig
     child = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert child.returncode == 0, child.stderr[-3000:]
     assert child.stdout.splitlines()[-1] == "0 0 0", child.stdout[-3000:] + child.stderr[-3000:]
+    assert "[]" in child.stdout.splitlines(), child.stdout[-3000:]  # inspect and convert: no estimate packages
 
 
 MEMORY_CHILD = textwrap.dedent(
