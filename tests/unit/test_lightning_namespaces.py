@@ -1,6 +1,7 @@
 """Both Lightning namespaces (``lightning.fabric`` / ``lightning.pytorch`` and the standalone packages) accept
 the strategies, check precisions the same way, and point a strategy handed to the wrong framework to the
-right import. The distributed Fabric and Trainer suites run every scenario under both namespaces."""
+right import. The distributed Fabric and Trainer suites run their 2-process grids, which hold every kind of case, under
+both namespaces, and their 4-process grids under one."""
 
 import importlib
 import subprocess
