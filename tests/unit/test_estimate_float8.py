@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memory_probe import calibration_model, live_after
+from memory_probe import calibration_model, collect_garbage, live_after
 from modelpar import MemoryEstimate, estimate_memory
 from modelpar._cli import main
 from modelpar.float8 import Float8Training, convert, float8_layers
@@ -269,7 +269,7 @@ class HeldBytes(TorchDispatchMode):
 
 
 def peak_held(step: Callable[[], object], before: list[torch.Tensor]) -> int:
-    gc.collect()
+    collect_garbage()
     gc.disable()  # no earlier test's garbage freed inside the step
     try:
         with HeldBytes(before) as held:
