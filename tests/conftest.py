@@ -6,12 +6,15 @@ from __future__ import annotations
 import getpass
 import os
 import re
+import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+import warm_python
 from object_store import S3Server, s3_environment, start_s3_server
 
 _INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
@@ -53,6 +56,34 @@ def _scratch_in_pytests_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="session")
+def program_python(_scratch_in_pytests_tree: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``python`` the tests launch programs with (examples, documented programs, ``torchrun`` scripts): a warm
+    one (:mod:`warm_python`) on a machine without CUDA, else ``sys.executable``. The programs' environment must hold
+    ``OMP_NUM_THREADS=1``, as the tests give it, to run warm (torch's thread pool is sized at import)."""
+    import torch
+
+    if torch.cuda.is_available():  # a fork of a process that may have touched CUDA is no place to start one
+        yield sys.executable
+        return
+    warm, why = warm_python.start(tmp_path_factory.mktemp("warm_python"), {**os.environ, "OMP_NUM_THREADS": "1"})
+    if warm is None:
+        warnings.warn(f"programs start in fresh interpreters: {why}", stacklevel=1)
+        yield sys.executable
+        return
+    saved = {k: os.environ.get(k) for k in warm.env}
+    os.environ.update(warm.env)
+    try:
+        yield warm.executable
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        warm.close()
+
+
+@pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     """One server for the session, exported through the ``AWS_*`` variables; skips the test without one."""
     server, why = start_s3_server()
@@ -72,9 +103,9 @@ def s3_bucket(s3_server: S3Server) -> str:
 #: The test folder whose tests start several processes each: under xdist they run one after another on one worker,
 #: as without it, since their launchers and timeouts are timed (a rank's death seen within seconds ...).
 PROCESS_FOLDER = "tests/distributed/"
-#: The exceptions: the README's, the docs' and the examples' programs, run as a user runs them (fresh interpreters,
-#: 20-30% of their time one core idle while a launcher imports torch). They run on the other worker, with the
-#: one-process tests, beside the process tests: each side gets the core time the other leaves idle.
+#: The exceptions: the README's, the docs' and the examples' programs, run as a user runs them (their command line,
+#: through the warm ``python`` of :func:`program_python`). They run on the other worker, with the one-process tests,
+#: beside the process tests: each side gets the core time the other leaves idle.
 PROGRAMS = ("test_docs_run.py", "test_examples.py", "test_hf_examples.py")
 #: Tests of the process folder that also run a program under a real ``torchrun`` and time nothing but its own
 #: generous deadline: they run beside the process tests too, which balances the two workers (on 2 cores the process

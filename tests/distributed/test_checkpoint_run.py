@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -162,8 +161,10 @@ def test_model_checkpoint_with_an_s3_dirpath_keeps_top_k_there_and_resumes_from_
     assert trainer["resumed_to"] == 5
 
 
-def test_a_run_killed_at_step_7_under_torchrun_restarts_from_step_5_with_bit_identical_losses(tmp_path, s3_bucket):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
+def test_a_run_killed_at_step_7_under_torchrun_restarts_from_step_5_with_bit_identical_losses(
+    tmp_path, s3_bucket, program_python
+):
+    cmd = [program_python, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1"]
     cmd += ["--monitor-interval=0.2", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
     cmd += [str(SCRIPT), str(tmp_path), f"{s3_bucket}/run"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -77,12 +77,12 @@ def test_block_compiles(block):
     compile(block.code, block.name, "exec")
 
 
-def command(block: Block, script: Path) -> list[str]:
+def command(block: Block, script: Path, python: str = sys.executable) -> list[str]:
     launcher, *args = block.marker.removeprefix("runs:").split() if block.marker else [""]
     if launcher == "python" and not args:  # Fabric launches its processes itself
-        return [sys.executable, str(script)]
+        return [python, str(script)]
     if launcher == "torchrun":
-        run = [sys.executable, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+        run = [python, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
         return [*run, *args, str(script)]
     raise ValueError(
         f"{block.name}: `{block.marker}` names no launcher this test knows; use `runs: python` or `runs: torchrun ...`"
@@ -90,12 +90,14 @@ def command(block: Block, script: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("block", PROGRAMS, ids=lambda b: b.name)
-def test_program_runs_as_written_on_cpu_processes(block, tmp_path):
+def test_program_runs_as_written_on_cpu_processes(block, tmp_path, program_python):
     script = tmp_path / "program.py"
     script.write_text(block.code)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env |= {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "default"}  # CPU and gloo
-    result = subprocess.run(command(block, script), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        command(block, script, program_python), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
     output = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
     assert result.returncode == 0, f"{block.name} exited with {result.returncode}\n{output}"
     # a warning of ours tells the reader that the program is wrong (an unseeded model, a view returned ...)

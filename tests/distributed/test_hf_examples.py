@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,9 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(*args: str, cwd: Path) -> str:
+def run(python: str, *args: str, cwd: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
-    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -29,17 +28,21 @@ def weights(folder: Path) -> dict[str, object]:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118  (safe_open has no __iter__)
 
 
-def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_and_moe_and_export_what_they_trained(tmp_path):
+def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_and_moe_and_export_what_they_trained(
+    tmp_path, program_python
+):
     tiny, moe = tmp_path / "tiny", tmp_path / "moe"
     steps = ("--steps", "2", "--seq-len", "16")
     # The Fabric example fine-tunes a mixture of experts, its experts over 2 expert ranks (x 2 tensor-parallel).
     fabric_out = run(
+        program_python,
         str(ROOT / "examples/hf/finetune_fabric.py"), "--make-tiny", str(moe), "--moe", "--expert-parallel", "2",
         "--out", str(tmp_path / "f"), *steps,
         cwd=tmp_path,
     )  # fmt: skip
     assert "wrote a tiny random Qwen3-MoE" in fabric_out and "step   2 | loss" in fabric_out
     trainer_out = run(
+        program_python,
         str(ROOT / "examples/hf/finetune_trainer.py"), "--make-tiny", str(tiny), "--out", str(tmp_path / "t"), *steps,
         cwd=tmp_path,
     )  # fmt: skip
@@ -55,8 +58,9 @@ def test_fabric_and_trainer_examples_fine_tune_a_tiny_llama_and_moe_and_export_w
         assert not all(exported[k].equal(pretrained[k]) for k in pretrained)  # type: ignore[attr-defined]
 
 
-def test_long_context_example_fine_tunes_with_context_parallelism_and_matches_one_process(tmp_path):
+def test_long_context_example_fine_tunes_with_context_parallelism_and_matches_one_process(tmp_path, program_python):
     out = run(
+        program_python,
         str(ROOT / "examples/hf/finetune_long_context.py"), "--make-tiny", str(tmp_path / "tiny"), "--devices", "2",
         "--seq-len", "256", "--steps", "2",
         cwd=tmp_path,

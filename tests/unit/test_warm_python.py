@@ -1,0 +1,160 @@
+"""The warm ``python`` the program tests launch with (``warm_python``): a program run through it behaves, as far as
+its launcher and its output can tell, as in a fresh interpreter; what it cannot run the same way, it runs fresh."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+PROBE = """
+import json, os, sys, warnings
+import torch
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": globals().get("__file__"),
+                  "executable": sys.executable, "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
+                  "hash": hash("modelpar"), "pid": os.getpid()}))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _run(python: str, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([python, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=60)
+
+
+def _probe(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    import json
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_script_and_a_module_see_their_argv_path_folder_and_environment_as_in_a_fresh_interpreter(
+    program_python, tmp_path
+):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(PROBE)
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    seen = {}
+    for python in (program_python, sys.executable):
+        as_script = _probe(_run(python, "sub/probe.py", "a", "--b", cwd=tmp_path, PROBE_VALUE="x"))
+        as_module = _probe(_run(python, "-m", "probe_module", "c", cwd=tmp_path))
+        seen[python] = [
+            {k: v for k, v in p.items() if k not in ("executable", "pid", "hash")} for p in (as_script, as_module)
+        ]
+    assert seen[program_python] == seen[sys.executable]
+    as_script, as_module = seen[program_python]
+    assert as_script["argv"] == ["sub/probe.py", "a", "--b"] and as_script["name"] == "__main__"
+    assert as_script["path0"] == str(tmp_path / "sub") and as_script["file"] == str(tmp_path / "sub/probe.py")
+    assert as_script["cwd"] == str(tmp_path) and as_script["env"] == "x"
+    assert as_module["argv"] == [str(tmp_path / "probe_module.py"), "c"] and as_module["path0"] == str(tmp_path)
+    # Launchers start their ranks with sys.executable: the warm one again.
+    assert _probe(_run(program_python, "sub/probe.py", cwd=tmp_path))["executable"] == program_python
+
+
+def test_exit_codes_tracebacks_and_death_by_signal_reach_the_launcher(program_python, tmp_path):
+    (tmp_path / "exits.py").write_text("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)")
+    (tmp_path / "raises.py").write_text("raise ValueError('the message')")
+    (tmp_path / "killed.py").write_text("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    done = _run(program_python, "exits.py", cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr.splitlines()[-1]) == (3, "out\n", "err")
+    done = _run(program_python, "raises.py", cwd=tmp_path)
+    assert done.returncode == 1 and "ValueError: the message" in done.stderr and "Traceback" in done.stderr
+    assert _run(program_python, "killed.py", cwd=tmp_path).returncode == -signal.SIGKILL
+    done = _run(program_python, "missing.py", cwd=tmp_path)
+    assert done.returncode == 2 and "can't open file" in done.stderr
+
+
+def test_atexit_handlers_and_threads_end_the_program_as_in_a_fresh_interpreter(program_python, tmp_path):
+    (tmp_path / "ends.py").write_text(
+        textwrap.dedent("""
+        import atexit, threading, time
+        atexit.register(print, "atexit")
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()
+        print("main", flush=True)
+        """)
+    )
+    assert _run(program_python, "ends.py", cwd=tmp_path).stdout.split() == ["main", "thread", "atexit"]
+
+
+def test_signals_to_the_launched_pid_reach_the_program_and_its_killer_kills_it(program_python, tmp_path):
+    (tmp_path / "waits.py").write_text(
+        textwrap.dedent("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: (print("terminated", flush=True), sys.exit(7)))
+        open("pid", "w").write(str(os.getpid()))
+        print("ready", flush=True)
+        time.sleep(60)
+        """)
+    )
+    for how in ("SIGTERM", "SIGKILL"):
+        proc = subprocess.Popen(
+            [program_python, "waits.py"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        program = int((tmp_path / "pid").read_text())
+        assert program != proc.pid  # a fork of the warm interpreter
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=10)
+        if how == "SIGTERM":  # passed on: the program's handler ran and chose the exit code
+            assert (proc.returncode, proc.stdout.read()) == (7, "terminated\n")
+        else:  # the launched process is gone: so is the program
+            assert proc.returncode == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while _alive(program) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(program)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+
+
+def test_warning_filters_follow_pythonwarnings_and_the_command_line(program_python, tmp_path):
+    (tmp_path / "lib_mod.py").write_text("import warnings\ndef f():\n    warnings.warn('old', DeprecationWarning)\n")
+    (tmp_path / "warns.py").write_text("import lib_mod\nfor _ in range(3):\n    lib_mod.f()\nprint('done')")
+    quiet = _run(
+        program_python, "warns.py", cwd=tmp_path
+    )  # Python's defaults: a library's DeprecationWarning is hidden
+    assert "DeprecationWarning: old" not in quiet.stderr and quiet.stdout == "done\n"
+    once = _run(program_python, "warns.py", cwd=tmp_path, PYTHONWARNINGS="default")
+    assert once.stderr.count("DeprecationWarning: old") == 1, once.stderr
+    error = _run(program_python, "-W", "error::DeprecationWarning", "warns.py", cwd=tmp_path)
+    assert error.returncode == 1 and "DeprecationWarning: old" in error.stderr
+
+
+def test_ranks_of_different_parity_hash_strings_differently_and_startup_variables_run_fresh(program_python, tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    seen = {rank: _probe(_run(program_python, "probe.py", cwd=tmp_path, LOCAL_RANK=rank)) for rank in "0123"}
+    assert seen["0"]["hash"] == seen["2"]["hash"] != seen["1"]["hash"] == seen["3"]["hash"]
+    assert len({p["pid"] for p in seen.values()}) == 4
+    # torch's thread pool is sized at import: another OMP_NUM_THREADS needs a fresh interpreter.
+    done = _run(program_python, "probe.py", cwd=tmp_path, OMP_NUM_THREADS="2", MODELPAR_WARM_VERBOSE="1")
+    assert "fresh interpreter (OMP_NUM_THREADS)" in done.stderr and _probe(done)["executable"] == sys.executable
+    done = _run(program_python, "-c", "import sys; print(sys.executable)", cwd=tmp_path, MODELPAR_WARM_VERBOSE="1")
+    assert "fresh interpreter (command line)" in done.stderr and done.stdout.strip() == sys.executable
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_output_is_unbuffered_where_asked(program_python, tmp_path, stream):
+    (tmp_path / "talks.py").write_text(f"import sys, time\nsys.{stream}.write('first\\n')\ntime.sleep(30)")
+    where = {stream: subprocess.PIPE}
+    proc = subprocess.Popen([program_python, "-u", "talks.py"], cwd=tmp_path, env=_env(), text=True, **where)  # type: ignore[call-overload]
+    try:
+        lines = iter(getattr(proc, stream).readline, "")  # stderr begins with what the preloaded imports printed
+        assert "first\n" in lines  # before the program ends: written through
+    finally:
+        proc.kill()
+        proc.wait()
