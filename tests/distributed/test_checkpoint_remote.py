@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -155,9 +154,9 @@ def test_a_url_checkpoint_loads_in_one_process_and_is_described_offline(remote):
     assert text.startswith(f"format: distributed ('{remote['url']}/1x4')") and "optimizer." in text
 
 
-def test_the_cli_converts_between_a_url_and_a_local_file_both_ways(remote, tmp_path):
+def test_the_cli_converts_between_a_url_and_a_local_file_both_ways(remote, tmp_path, program_python):
     local = tmp_path / "full.pt"
-    cli = [sys.executable, "-m", "modelpar", "convert"]
+    cli = [program_python, "-m", "modelpar", "convert"]
     subprocess.run([*cli, f"{remote['url']}/2x2", str(local), "--to", "file"], check=True, env=os.environ)
     back = f"{remote['url']}/from-file"
     subprocess.run([*cli, str(local), back, "--to", "distributed"], check=True, env=os.environ)
@@ -199,13 +198,15 @@ _KILLED_SAVE = textwrap.dedent(
 )
 
 
-def test_a_save_killed_mid_upload_leaves_the_previous_checkpoint_the_newest_complete(s3_bucket, tmp_path):
+def test_a_save_killed_mid_upload_leaves_the_previous_checkpoint_the_newest_complete(
+    s3_bucket, tmp_path, program_python
+):
     previous, killed = f"{s3_bucket}/run/step-5", f"{s3_bucket}/run/step-10"
     model = reference_model(seed=3)
     save_state(previous, {"model": model, "step": 5}, full=False)
     script = tmp_path / "killed_save.py"
     script.write_text(_KILLED_SAVE)
-    done = subprocess.run([sys.executable, str(script), killed], env=os.environ, capture_output=True, text=True)
+    done = subprocess.run([program_python, str(script), killed], env=os.environ, capture_output=True, text=True)
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
     with pytest.raises(CheckpointNotFoundError, match="under way or was interrupted"):
         load_state(killed, {"model": torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])})

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 PROBE = """
-import json, os, sys, warnings
-import torch
+import json, os, sys
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": globals().get("__file__"),
                   "executable": sys.executable, "cwd": os.getcwd(), "env": os.environ.get("PROBE_VALUE"),
                   "hash": hash("modelpar"), "pid": os.getpid()}))

@@ -20,6 +20,7 @@ process) keep ``sys.executable``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ class WarmPython:
     executable: str
     env: dict[str, str]
     processes: list[subprocess.Popen[bytes]]
+    short_folder: str | None  # where the sockets are when pytest's folder makes too long a path for them
 
     def close(self) -> None:
         for process in self.processes:
@@ -58,6 +60,8 @@ class WarmPython:
         for sock in self.env["MODELPAR_WARM_SOCKET"].split(os.pathsep):
             if os.path.exists(sock):
                 os.unlink(sock)
+        if self.short_folder is not None:
+            os.rmdir(self.short_folder)
 
 
 def start(folder: Path, base_env: dict[str, str]) -> tuple[WarmPython | None, str]:
@@ -69,8 +73,9 @@ def start(folder: Path, base_env: dict[str, str]) -> tuple[WarmPython | None, st
     executable.write_text(shebang + (_HERE / "client.py").read_text())
     executable.chmod(0o755)
     sockets = [str(folder / f"socket{i}") for i in range(SERVERS)]
+    short = None
     if max(map(len, sockets)) > _SOCKET_LIMIT:
-        short = tempfile.mkdtemp(prefix="warm-python-")
+        short = tempfile.mkdtemp(prefix="warm-python-", dir="/tmp")
         sockets = [os.path.join(short, f"socket{i}") for i in range(SERVERS)]
     # The warning filters the tests' programs run with: the server prints what its imports warn under them.
     env = {**base_env, "PYTHONWARNINGS": "default"}
@@ -88,8 +93,10 @@ def start(folder: Path, base_env: dict[str, str]) -> tuple[WarmPython | None, st
             for other in processes:
                 other.kill()
                 other.wait()
+            if short is not None:
+                shutil.rmtree(short, ignore_errors=True)
             printed = (folder / f"server{i}.log").read_text()[-2000:]
             return None, f"the warm interpreter did not start (exit code {process.returncode}): {printed}"
         process.stdout.close()
     env = {"MODELPAR_WARM_REAL": sys.executable, "MODELPAR_WARM_SOCKET": os.pathsep.join(sockets)}
-    return WarmPython(str(executable), env, processes), ""
+    return WarmPython(str(executable), env, processes, short), ""
