@@ -107,17 +107,17 @@ PROCESS_FOLDER = "tests/distributed/"
 #: through the warm ``python`` of :func:`program_python`). They run on the other worker, with the one-process tests,
 #: beside the process tests: each side gets the core time the other leaves idle.
 PROGRAMS = ("test_docs_run.py", "test_examples.py", "test_hf_examples.py")
-#: Tests of the process folder that time nothing but their own generous deadline, run beside the process tests to
-#: balance the two workers: the ``torchrun`` launches of the standalone script, and the files that use the S3 server
-#: (so that only this worker starts one), float8's and the FSDP1 migration's grids. Once the programs ran warm, the
-#: process side took 784 s and this side 419 s on 2 cores; these take about 230 s.
+#: Tests of the process folder that launch programs (through the warm ``python``, whose servers run on this worker)
+#: or use the S3 server (so that only this worker starts one), and float8's grid: they run beside the process tests,
+#: which balances the two workers (once the programs ran warm, the process side took 784 s and this side 419 s on 2
+#: cores). Their bounds are generous (the rank-death launches': 20 s from the signal, for a 3 s peer timeout).
 BESIDE = (
     "tests/distributed/test_standalone.py::test_standalone_under_torchrun_detects_environment_and_matches_reference",
     "tests/distributed/test_standalone.py::test_standalone_on_two_simulated_nodes_resolves_auto_to_2x2",
     "tests/distributed/test_checkpoint_run.py::",
     "tests/distributed/test_checkpoint_remote.py::",
     "tests/distributed/test_float8.py::",
-    "tests/distributed/test_fsdp1.py::",
+    "tests/distributed/test_rank_death.py::",
 )
 #: One-process tests that time threads (a heartbeat seen within a few seconds): they run with the process tests, one
 #: after another, as before. Beside a 4-rank spawn, two of them failed once on torch 2.11 (passing alone).

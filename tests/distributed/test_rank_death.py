@@ -3,6 +3,9 @@
 Four launches of two CPU processes (gloo). What each launcher does on its own and what the watchdog adds is
 written up in docs/checkpointing.md ("When a process dies"). A frozen process (SIGSTOP) keeps its sockets open,
 as a hung process or an unreachable host does: nothing but the watchdog notices it.
+
+The launchers run through the warm ``python`` (``warm_python``): the pids the script writes are the programs', and
+the launched processes end as their programs end (by the same signal), so a launcher sees what it would see.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +29,7 @@ BOUND = 20.0
 LAUNCH_LIMIT = 120.0  # seconds for start-up and two steps on a loaded machine
 
 
-def _launch(tmp_path: Path, launcher: str, victim: int, signal_name: str) -> subprocess.Popen[str]:
+def _launch(python: str, tmp_path: Path, launcher: str, victim: int, signal_name: str) -> subprocess.Popen[str]:
     args = [str(SCRIPT), launcher, str(victim), signal_name, str(tmp_path), str(PEER_TIMEOUT)]
     port = free_port()
     if launcher == "torchrun":
@@ -35,9 +37,7 @@ def _launch(tmp_path: Path, launcher: str, victim: int, signal_name: str) -> sub
         args += [f"--master-port={port}", str(SCRIPT), launcher, str(victim), signal_name, str(tmp_path)]
         args += [str(PEER_TIMEOUT)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return subprocess.Popen(
-        [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return subprocess.Popen([python, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _signalled_at(tmp_path: Path, proc: subprocess.Popen[str]) -> float:
@@ -92,9 +92,9 @@ def _finish(proc: subprocess.Popen[str], tmp_path: Path, *frozen: int) -> str:
                     os.kill(pid, signal.SIGKILL)
 
 
-def test_a_rank_killed_mid_training_under_torchrun_ends_the_job_within_seconds(tmp_path):
+def test_a_rank_killed_mid_training_under_torchrun_ends_the_job_within_seconds(tmp_path, program_python):
     # torchrun's agent polls its workers every 0.1 s and stops the others when one fails: modelpar adds nothing here
-    proc = _launch(tmp_path, "torchrun", victim=1, signal_name="SIGKILL")
+    proc = _launch(program_python, tmp_path, "torchrun", victim=1, signal_name="SIGKILL")
     signalled = _signalled_at(tmp_path, proc)
     output = _finish(proc, tmp_path)
     elapsed = time.time() - signalled
@@ -105,8 +105,8 @@ def test_a_rank_killed_mid_training_under_torchrun_ends_the_job_within_seconds(t
     assert re.search(killed, root_cause), output[-3000:]
 
 
-def test_a_frozen_rank_under_torchrun_ends_the_others_within_peer_timeout_naming_it(tmp_path):
-    proc = _launch(tmp_path, "torchrun", victim=1, signal_name="SIGSTOP")
+def test_a_frozen_rank_under_torchrun_ends_the_others_within_peer_timeout_naming_it(tmp_path, program_python):
+    proc = _launch(program_python, tmp_path, "torchrun", victim=1, signal_name="SIGSTOP")
     signalled = _signalled_at(tmp_path, proc)
     frozen = _pid(tmp_path, 1)
     try:
@@ -123,9 +123,9 @@ def test_a_frozen_rank_under_torchrun_ends_the_others_within_peer_timeout_naming
     assert f"exitcode  : {PEER_LOST_EXIT_CODE}" in root_cause and "modelpar: ending rank 0" in root_cause
 
 
-def test_rank_0_killed_under_the_fabric_launcher_is_named_in_the_survivors_error(tmp_path):
+def test_rank_0_killed_under_the_fabric_launcher_is_named_in_the_survivors_error(tmp_path, program_python):
     # rank 0 is the launching process and hosts the store; gloo fails rank 1 at once, the watchdog says why
-    proc = _launch(tmp_path, "fabric", victim=0, signal_name="SIGKILL")
+    proc = _launch(program_python, tmp_path, "fabric", victim=0, signal_name="SIGKILL")
     signalled = _signalled_at(tmp_path, proc)
     child = _pid(tmp_path, 1)
     elapsed = _wait_ended([child], signalled)
@@ -138,15 +138,16 @@ def test_rank_0_killed_under_the_fabric_launcher_is_named_in_the_survivors_error
     assert expected in output, output[-3000:]
 
 
-def test_rank_0_frozen_under_the_fabric_launcher_ends_its_orphaned_child_which_ends_it(tmp_path):
+def test_rank_0_frozen_under_the_fabric_launcher_ends_its_orphaned_child_which_ends_it(tmp_path, program_python):
     # the frozen launcher hosts the store and Lightning's observer of its children: neither can act
-    proc = _launch(tmp_path, "fabric", victim=0, signal_name="SIGSTOP")
+    proc = _launch(program_python, tmp_path, "fabric", victim=0, signal_name="SIGSTOP")
     signalled = _signalled_at(tmp_path, proc)
     try:
-        elapsed = _wait_ended([_pid(tmp_path, 1), proc.pid], signalled)
+        elapsed = _wait_ended([_pid(tmp_path, 1), _pid(tmp_path, 0)], signalled)
     finally:
-        output = _finish(proc, tmp_path, proc.pid)
+        output = _finish(proc, tmp_path, _pid(tmp_path, 0))
     assert PEER_TIMEOUT - 1 <= elapsed < BOUND, elapsed  # judged from the last answer, up to a heartbeat earlier
     assert f"modelpar: ending rank 1 (exit code {PEER_LOST_EXIT_CODE}) because the job's c10d store at" in output
     assert "has not answered for 3 s: the process hosting it died (rank 0 under Lightning's launchers" in output
-    assert f"modelpar: rank 1 killed rank 0 (SIGKILL to pid {proc.pid})." in output and proc.returncode == -9
+    # rank 0's pid is the launched process's; through the warm python, the fork that runs the program
+    assert f"modelpar: rank 1 killed rank 0 (SIGKILL to pid {_pid(tmp_path, 0)})." in output and proc.returncode == -9
