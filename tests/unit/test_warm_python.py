@@ -150,7 +150,8 @@ def test_ranks_of_different_parity_hash_strings_differently_and_startup_variable
 def test_output_is_unbuffered_where_asked(program_python, tmp_path, stream):
     (tmp_path / "talks.py").write_text(f"import sys, time\nsys.{stream}.write('first\\n')\ntime.sleep(30)")
     where = {stream: subprocess.PIPE}
-    proc = subprocess.Popen([program_python, "-u", "talks.py"], cwd=tmp_path, env=_env(), text=True, **where)  # type: ignore[call-overload]
+    command = [program_python, "-u", "talks.py"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), text=True, **where)  # type: ignore[call-overload]
     try:
         lines = iter(getattr(proc, stream).readline, "")  # stderr begins with what the preloaded imports printed
         assert "first\n" in lines  # before the program ends: written through

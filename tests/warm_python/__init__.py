@@ -2,8 +2,8 @@
 
 A fresh interpreter spends 7 to 9 s of CPU importing torch, Lightning and transformers before a program's first
 line runs, and a launch of 4 ranks starts 4 of them (5 under ``torchrun``); on the 2 cores of CI that was about a
-third of the suite's CPU. :func:`start` runs one interpreter that imports those libraries once (:mod:`.server`), and
-writes an executable named ``python`` (:mod:`.client`) that runs each program in a fork of it, with the program's
+third of the suite's CPU. :func:`start` runs interpreters that import those libraries once (:mod:`.server`), and
+writes an executable named ``python`` (:mod:`.client`) that runs each program in a fork of one, with the program's
 command line, environment, folder and standard streams, its exit code and signals passed through. Launchers started
 through it (``python -m torch.distributed.run``, Fabric's ``launch()``) start their ranks with ``sys.executable``,
 which is that same ``python``, so the ranks start warm too.
@@ -11,10 +11,10 @@ which is that same ``python``, so the ranks start warm too.
 The program runs its own code and modelpar's as it would in a fresh interpreter (modelpar reads its environment
 when it runs, never at import); what the warm interpreter read at its start, it checks: a program whose
 environment differs in such a variable, or a command line of another form, runs in a real fresh interpreter.
-Two servers, each with its own hash seed, take the ranks by the parity of ``LOCAL_RANK``, so that ranks 0 and 1 still
-iterate a set of strings in different orders, as fresh interpreters do (a rank-dependent order that breaks a
-collective shows here as it would for a user). Programs whose claim is about the interpreter itself (a ``-c`` probe of what gets imported, memory of a fresh
-process) keep ``sys.executable``.
+Two servers, each with its own hash seed, take the ranks by the parity of ``LOCAL_RANK``, so that ranks 0 and 1
+still iterate a set of strings in different orders, as fresh interpreters do (a rank-dependent order that breaks a
+collective shows here as it would for a user). Programs whose claim is about the interpreter itself (a ``-c`` probe
+of what gets imported, the memory of a fresh process) keep ``sys.executable``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ milliseconds). It takes the forms launchers use: ``python [-u] [-W ARG] script.p
 three standard streams) runs the real interpreter. The program's pid is the fork's, not this process's: signals
 sent here (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) are passed on, and this process ends as the program ended
 (its exit code, or killed by the same signal). If this process is killed, the server kills the program.
+``LOCAL_RANK``'s parity picks the server (each has its own hash seed).
 """
 
 import contextlib
