@@ -67,8 +67,8 @@ class WarmPython:
 def start(folder: Path, base_env: dict[str, str]) -> tuple[WarmPython | None, str]:
     """(running warm interpreters, "") or (None, why not) for programs launched with ``base_env``."""
     shebang = f"#!{sys.executable} -IS\n"
-    if len(shebang) > _SHEBANG_LIMIT:
-        return None, f"the interpreter's path is too long for a shebang line ({sys.executable})"
+    if len(shebang) > _SHEBANG_LIMIT or any(c.isspace() for c in sys.executable):
+        return None, f"a shebang line cannot name this interpreter (too long, or a space in it): {sys.executable}"
     executable = folder / "python"
     executable.write_text(shebang + (_HERE / "client.py").read_text())
     executable.chmod(0o755)
