@@ -274,7 +274,7 @@ def _serve(
 def main() -> int:
     path, parent, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     missing = [name for name in ("_processoptions", "_filters_mutated") if not hasattr(warnings, name)]
-    if missing:  # the warning machinery a program's filters are rebuilt with (Python 3.10 to 3.13)
+    if missing:  # the warning machinery a program's filters are rebuilt with (private: checked on Python 3.11)
         print(f"warm_python: this Python's warnings module has no {missing}", file=sys.stderr)
         return 1
     here = os.path.dirname(os.path.realpath(__file__))
