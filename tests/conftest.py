@@ -70,16 +70,12 @@ def program_python(_scratch_in_pytests_tree: None, tmp_path_factory: pytest.Temp
         warnings.warn(f"programs start in fresh interpreters: {why}", stacklevel=1)
         yield sys.executable
         return
-    saved = {k: os.environ.get(k) for k in warm.env}
-    os.environ.update(warm.env)
     try:
-        yield warm.executable
+        with pytest.MonkeyPatch.context() as patch:  # exported to the programs while the session runs
+            for key, value in warm.env.items():
+                patch.setenv(key, value)
+            yield warm.executable
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         warm.close()
 
 

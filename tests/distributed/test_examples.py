@@ -29,21 +29,9 @@ def fabric_demo(tmp_path_factory: pytest.TempPathFactory, program_python: str) -
     """The Fabric demo, short: a first run that checkpoints, then a resumed run (their printed output)."""
     tmp_path = tmp_path_factory.mktemp("fabric_demo")
     script = str(ROOT / "examples/fabric/train_llama.py")
-    first = run(
-        program_python, script, "--steps", "4", "--save-at", "2", "--checkpoint-dir", str(tmp_path), cwd=tmp_path
-    )
-    second = run(
-        program_python,
-        script,
-        "--steps",
-        "4",
-        "--save-at",
-        "2",
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--resume",
-        cwd=tmp_path,
-    )
+    short = ("--steps", "4", "--save-at", "2", "--checkpoint-dir", str(tmp_path))
+    first = run(program_python, script, *short, cwd=tmp_path)
+    second = run(program_python, script, *short, "--resume", cwd=tmp_path)
     return first, second
 
 
@@ -63,9 +51,8 @@ def test_moe_example_trains_with_expert_parallelism_and_resumes_on_another_exper
     script = str(ROOT / "examples/fabric/train_moe.py")
     short = ("--devices", "2", "--steps", "3", "--save-at", "2", "--batch-size", "4", "--checkpoint-dir", str(tmp_path))
     first = run(program_python, script, *short, cwd=tmp_path)  # experts split over both ranks
-    second = run(
-        program_python, script, *short, "--expert-parallel", "1", "--resume", cwd=tmp_path
-    )  # every rank holds all experts
+    # every rank holds all experts
+    second = run(program_python, script, *short, "--expert-parallel", "1", "--resume", cwd=tmp_path)
     assert "'expert_parallel': 2" in first and "step   3 | loss" in first and "(aux " in first, first[-3000:]
     assert "tokens per expert in layer 0" in second
     assert "resumed from" in second and "matches the first run: True" in second, second[-3000:]
@@ -123,7 +110,6 @@ def test_resume_example_saves_on_sigterm_under_torchrun_and_a_second_run_resumes
     assert first.returncode != 0 and saved, output[-3000:]
     step = int(saved.group(1))
     assert 6 <= step < 1000 and saved.group(2) == f"{run_dir}/step-{step:09d}"
-    second = run(
-        program_python, script, *args, "--steps", str(step + 2), cwd=tmp_path
-    )  # Fabric launches its 2 processes
+    # Fabric launches its 2 processes
+    second = run(program_python, script, *args, "--steps", str(step + 2), cwd=tmp_path)
     assert f"resumed from step {step} in {run_dir}" in second and f"step {step + 2:4d} | loss" in second, second[-3000:]
