@@ -28,9 +28,19 @@ PG_TIMEOUT = timedelta(seconds=90)
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: each socket stays bound until all are, so no two can be the same port."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def launcher_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str, str]:
@@ -118,17 +128,23 @@ def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, nodes: int = 1, timeout: float = 240.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    nodes: int = 1,
+    timeout: float = 240.0,
+    port: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned processes; return each rank's return value by rank.
 
-    ``fn`` must be importable (module level) and return picklable values.
+    ``fn`` must be importable (module level) and return picklable values. ``port`` (default: a free one) is the
+    store's ``MASTER_PORT``: spawns started at once pass ports reserved together, which cannot coincide.
     """
     if world_size % nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of nodes={nodes}")
     ctx = process_context()
     out = ctx.Queue()
-    port = free_port()
+    port = port if port is not None else free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, _process_env(r, world_size, nodes, port), args, out), daemon=True)
         for r in range(world_size)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -70,10 +71,13 @@ def run_cases(cases: dict[str, Callable[[], dict[str, Any]]], names: list[str] |
     """
     results: dict[str, Any] = {}
     rank = os.environ.get("RANK", "0")
+    seconds: dict[str, float] = {}
+    results[TIMES] = {"started": time.time(), "cases": seconds}
     for name in names or list(cases):
         # A crash (SIGSEGV in a kernel or in gloo) takes every result of the spawn with it: this line, and the
         # stack faulthandler prints (scripts/gpu-check.sh sets PYTHONFAULTHANDLER), say which case it was in.
         print(f"[gpu-suite] rank {rank} starts {name}", file=sys.stderr, flush=True)
+        case_started = time.perf_counter()
         try:
             results[name] = {"ok": True, **(cases[name]() or {})}
         except SkipCase as skip:
@@ -88,7 +92,44 @@ def run_cases(cases: dict[str, Callable[[], dict[str, Any]]], names: list[str] |
             if on_cuda():
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
+            seconds[name] = time.perf_counter() - case_started
     return results
+
+
+#: The key :func:`run_cases` keeps its timing under, beside the cases' results: when the grid started (epoch
+#: seconds, this machine's clock) and each case's seconds.
+TIMES = "_time"
+
+
+def spawn_cases(label: str, grid: Callable[..., dict[str, Any]], world: int, *args: Any, timeout: float) -> Any:
+    """``run_distributed(grid, world, *args)``, then one ``[gpu-suite] time <label>: {...}`` line: where the
+    spawn's seconds went.
+
+    A GPU run is measured in minutes a task may not have (``gpu-check.sh`` must stay under 5): the line says how
+    long the processes took to start (imports, CUDA; the latest rank's) and each case (the slowest rank's), so
+    the next cut goes where the time is. ``gpu_summary.py`` shows them.
+    """
+    from harness import run_distributed
+
+    started = time.time()
+    results = run_distributed(grid, world, *args, timeout=timeout)
+    print(f"[gpu-suite] time {label}: {spawn_times(results, started, time.time())}")
+    return results
+
+
+def spawn_times(results: list[dict[str, Any]], started: float, ended: float) -> dict[str, Any]:
+    """``{"spawn": s, "start-up": s, "cases": {name: s}}`` from each rank's :data:`TIMES`, rounded to 0.1 s."""
+    times = [r[TIMES] for r in results if TIMES in r]
+    cases: dict[str, float] = {}
+    for t in times:
+        for name, s in t["cases"].items():
+            cases[name] = max(cases.get(name, 0.0), s)
+    start_up = max((t["started"] for t in times), default=ended) - started
+    return {
+        "spawn": round(ended - started, 1),
+        "start-up": round(start_up, 1),
+        "cases": {name: round(s, 1) for name, s in cases.items()},
+    }
 
 
 class SkipCase(Exception):

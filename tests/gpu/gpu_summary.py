@@ -7,7 +7,9 @@ A GPU run is rare (a task may be lent a machine for minutes), so its result has 
 and pasted whole into an issue: per test file the passed/failed/skipped counts, each failure's test with its
 own error line, each skip's reason, what the probe found torch alone could run, the benchmark's table, the
 float8 comparison's ``[summary]`` lines (its runs are the benchmark's; or why it did not run: torchao missing is
-no failure, but must not pass unseen), the environment, and the wall time. Read from the files the script wrote
+no failure, but must not pass unseen), the environment, where the time went (each spawn's start-up and slowest
+cases, a benchmark run's phases: the whole check must stay under 5 minutes) and the wall time. Read from the files
+the script wrote
 (``junit.xml``, ``figures.txt``, ``bench_mfu.txt``, ``bench_float8.txt``, ``environment.txt``, ``pytest.log``); a
 missing or broken one is said so, never a reason to print nothing.
 """
@@ -143,13 +145,15 @@ def bench_lines(bench: Path, *, marked: bool = True) -> list[str]:
     summary = [line for line in lines if line.startswith("[summary]")]
     if marked and summary:
         return [f"  {line}" for line in summary]
-    rest = [line for line in lines if line not in summary and not _CHATTER.search(line)]
+    rest = [line for line in lines if line not in summary and not _CHATTER.search(line) and not _TIMING.search(line)]
     return [f"  {line}" for line in rest][-BENCH_TAIL:]
 
 
 #: Lines torch, Lightning, torchao (its extensions for other GPUs) and warnings print into the benchmark's output:
 #: not its results.
 _CHATTER = re.compile(r"^\[rank\d|^Using |^You are using|^\s*warnings\.warn|Warning:|^W\d{4} |^Failed to load ")
+#: The benchmark's timing lines (each run's, and the ``[time]`` line): the summary's time part shows them.
+_TIMING = re.compile(r"^\[time\] |^  \([\w.-]+: run [\d.]+ s: ")
 
 
 def environment_line(environment: Path) -> list[str]:
@@ -206,11 +210,64 @@ def render(out: Path, args: argparse.Namespace) -> list[str]:
         lines.append(f"benchmark (benchmarks/bench_mfu.py, exit {args.bench_exit}, {args.bench_seconds:.0f} s):")
         lines += bench_lines(out / "bench_mfu.txt", marked=False) or ["  (no output: read bench_mfu.txt)"]
     lines += float8_lines(out, args)
+    lines += time_lines(out, args)
     bench = f", benchmark {args.bench_seconds:.0f} s" if args.bench_exit is not None else ""
     lines.append(f"wall time: {_duration(args.wall_seconds)} (pytest {args.pytest_seconds:.0f} s{bench})")
     written = _files(out, args.bench_exit is not None)
     lines.append(f"gpu-check: exit {args.exit}; results in {out}/ ({', '.join(written)})")
     return [line if len(line) <= WIDTH else line[: WIDTH - 3] + "..." for line in lines]
+
+
+#: Cases named per spawn in the time lines, slowest first.
+SLOWEST = 3
+
+
+def time_lines(out: Path, args: argparse.Namespace) -> list[str]:
+    """Where the wall time went: each spawn's ``[gpu-suite] time`` line (its start-up and its slowest cases), the
+    crash probes', the benchmark's ``[time]`` line (a run's phases), and what ran outside pytest and the benchmark.
+
+    The whole check has to stay under 5 minutes on a GPU (issue 25): these lines say what to cut next.
+    """
+    lines = []
+    for raw in _read_lines(out / "figures.txt"):
+        found = re.match(r"\[gpu-suite\] time (.+?): (\{.*\})$", raw)
+        if not found:
+            continue
+        label = found[1]
+        try:
+            times = ast.literal_eval(found[2])
+        except (ValueError, SyntaxError):
+            lines.append(f"  {label}: (unreadable: {found[2]})")
+            continue
+        if "cases" in times:
+            slowest = sorted(times["cases"].items(), key=lambda item: -item[1])[:SLOWEST]
+            cases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in slowest)
+            lines.append(
+                f"  {label}: spawn {times['spawn']:.1f} s, start-up {times['start-up']:.1f} s; slowest: {cases}"
+            )
+        else:
+            each = times.get("each", {})
+            slowest_probe = max(each.items(), key=lambda item: item[1], default=None)
+            last = f" (last: {slowest_probe[0]}, {slowest_probe[1]:.1f} s)" if slowest_probe else ""
+            lines.append(
+                f"  {label}: {times.get('spawns at once', '?')} spawns at once, {times['seconds']:.1f} s{last}"
+            )
+    if args.bench_exit is not None:
+        timed = [line for line in _read_lines(out / "bench_mfu.txt") if line.startswith("[time] ")]
+        if timed:
+            line = timed[-1].removeprefix("[time] ")
+            runs = re.match(r"\d+ runs in (\d+) s", line)
+            own = (
+                f"; outside its runs {args.bench_seconds - int(runs[1]):.0f} s (its own process, checks)"
+                if runs
+                else ""
+            )
+            lines.append(f"  benchmark: {line}{own}")
+    rest = args.wall_seconds - args.pytest_seconds - (args.bench_seconds if args.bench_exit is not None else 0)
+    lines.append(
+        f"  outside pytest and the benchmark: {rest:.0f} s (the environment's and torchao's checks, this summary)"
+    )
+    return ["where the time went:", *lines]
 
 
 def float8_lines(out: Path, args: argparse.Namespace) -> list[str]:

@@ -35,11 +35,12 @@ from gpu_common import (
     pinned_host_bytes,
     reference,
     run_cases,
+    spawn_cases,
 )
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from harness import PG_TIMEOUT, run_distributed
+from harness import PG_TIMEOUT
 from modelpar import ModelParallelStrategy
 from modelpar.float8 import FLOAT8_CAPABILITY, Float8Recipe, Float8Training
 from modelpar.models import Llama, LlamaConfig
@@ -663,7 +664,7 @@ def grid() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return run_distributed(grid, 1, timeout=900)
+    return spawn_cases("one process", grid, 1, timeout=900)
 
 
 def test_mesh_is_1x1_on_the_gpu_with_nccl_and_reuses_the_default_group(results: list[dict[str, Any]]) -> None:

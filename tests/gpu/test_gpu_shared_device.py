@@ -27,11 +27,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch_probe
-from gpu_common import check, device, full, max_abs_diff, needs, on_cuda, reference, run_cases
+from gpu_common import check, device, full, max_abs_diff, needs, on_cuda, reference, run_cases, spawn_cases
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from harness import PG_TIMEOUT, run_distributed
+from harness import PG_TIMEOUT
 from modelpar import ModelParallelStrategy, clip_grad_norm
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, parallelize_llama
@@ -481,13 +481,12 @@ def grid(names: list[str] | None) -> dict[str, Any]:
     return run_cases(CASES, names)
 
 
-def _spawn(world: int, names: list[str] | None) -> list[dict[str, Any]]:
-    """The crash probes first, each in a spawn of its own (torch alone), then every case in one spawn."""
-    crashes = torch_probe.probe_crashes(world, device().type)
+def _spawn(world: int, names: list[str] | None, crashes: dict[str, str | None]) -> list[dict[str, Any]]:
+    """Every case in one spawn, with the crash probes' outcomes for this world size (``crash_probes``)."""
     previous = os.environ.get(torch_probe.CRASH_ENV)
     os.environ[torch_probe.CRASH_ENV] = json.dumps(crashes)  # the spawned ranks inherit it
     try:
-        return run_distributed(grid, world, names, timeout=600)
+        return spawn_cases(f"{world} ranks", grid, world, names, timeout=600)
     finally:
         if previous is None:
             os.environ.pop(torch_probe.CRASH_ENV, None)
@@ -496,13 +495,19 @@ def _spawn(world: int, names: list[str] | None) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def two() -> list[dict[str, Any]]:
-    return _spawn(2, None)
+def crash_probes() -> dict[int, dict[str, str | None]]:
+    """The crash probes of both world sizes, each in a spawn of its own (torch alone), all at once, first."""
+    return torch_probe.probe_crashes((2, 4), device().type)
 
 
 @pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return _spawn(4, FOUR_RANK_CASES)
+def two(crash_probes: dict[int, dict[str, str | None]]) -> list[dict[str, Any]]:
+    return _spawn(2, None, crash_probes[2])
+
+
+@pytest.fixture(scope="module")
+def four(crash_probes: dict[int, dict[str, str | None]]) -> list[dict[str, Any]]:
+    return _spawn(4, FOUR_RANK_CASES, crash_probes[4])
 
 
 @pytest.mark.parametrize("world", [2, 4])

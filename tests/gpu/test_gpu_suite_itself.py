@@ -362,3 +362,87 @@ def test_the_benchmark_runs_tensorwise_with_and_without_the_float8_all_gather(mo
     assert default.gathers_in_float8 and not off.gathers_in_float8, (default, off)
     with pytest.raises(SystemExit):
         bench_mfu.parse(["--float8", "rowwise-bf16gather"])
+
+
+def test_a_spawns_time_takes_each_case_on_its_slowest_rank_and_the_start_up_of_its_latest() -> None:
+    """What ``spawn_cases`` prints for the summary: the case a spawn waits for is its slowest rank's."""
+    import gpu_common
+
+    ranks = [
+        {gpu_common.TIMES: {"started": 106.0, "cases": {"training": 2.0, "compile_tp": 9.04}}, "training": {}},
+        {gpu_common.TIMES: {"started": 107.5, "cases": {"training": 3.0, "compile_tp": 8.0}}, "training": {}},
+    ]
+    times = gpu_common.spawn_times(ranks, started=100.0, ended=121.0)
+    assert times == {"spawn": 21.0, "start-up": 7.5, "cases": {"training": 3.0, "compile_tp": 9.0}}, times
+    # run_cases keeps its timing beside the results, so check() and the tests read the cases as before.
+    results = run_cases({"case": lambda: {"figure": 1}})
+    assert set(results) == {"case", gpu_common.TIMES} and results["case"] == {"ok": True, "figure": 1}, results
+    assert set(results[gpu_common.TIMES]["cases"]) == {"case"}, results
+
+
+def test_ports_reserved_together_for_spawns_at_once_are_distinct() -> None:
+    from harness import free_ports
+
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(p > 0 for p in ports), ports
+
+
+def test_the_summary_says_where_the_time_went(tmp_path: Path) -> None:
+    """Each spawn's start-up and slowest cases, the crash probes, a benchmark run's phases, and what ran outside
+    pytest and the benchmark; the benchmark's own timing lines leave its table's part to the table."""
+    figures = (
+        "[gpu-suite] time one process: {'spawn': 23.7, 'start-up': 9.2, 'cases': {'mesh_access': 0.0,"
+        " 'async_save': 5.3, 'hf': 0.8, 'float8_tensorwise': 2.2}}\n"
+        "[gpu-suite] time crash probes: {'seconds': 8.1, 'spawns at once': 4, 'each': {'functional_all_gather on 2':"
+        " 6.0, 'batch_isend_irecv on 4': 8.1}}\n"
+        "[gpu-suite] time 2 ranks: {'spawn': 58.1, 'start-up': 7.1, 'cases': {'compile_tp': 30.8}}\n"
+    )
+    bench = (
+        "== benchmarks/bench_mfu.py ==\nmodelpar: 65900 tokens/s\n  (modelpar: run 37.0 s: start-up 6.0 s, exit 3.0 s)\n"
+        "| variant | tokens/s |\n[time] 3 runs in 103 s; median run 37.0 s: start-up 6.0 s, set-up 3.0 s\n"
+    )
+    _summary(tmp_path, bench=False)  # writes junit.xml, environment.txt and pytest.log
+    (tmp_path / "figures.txt").write_text(figures)
+    (tmp_path / "bench_mfu.txt").write_text(bench)
+    args = argparse.Namespace(
+        exit=0, pytest_exit=0, pytest_seconds=85.0, bench_exit=0, bench_seconds=111.0, wall_seconds=205.0,
+        float8_in_bench=None, float8_not_run=None,
+    )  # fmt: skip
+    text = "\n".join(gpu_summary.render(tmp_path, args))
+    timing = text.split("where the time went:\n")[1].split("\nwall time:")[0].splitlines()
+    assert timing == [
+        "  one process: spawn 23.7 s, start-up 9.2 s; slowest: async_save 5.3 s, float8_tensorwise 2.2 s, hf 0.8 s",
+        "  crash probes: 4 spawns at once, 8.1 s (last: batch_isend_irecv on 4, 8.1 s)",
+        "  2 ranks: spawn 58.1 s, start-up 7.1 s; slowest: compile_tp 30.8 s",
+        "  benchmark: 3 runs in 103 s; median run 37.0 s: start-up 6.0 s, set-up 3.0 s; outside its runs 8 s (its own"
+        " process, checks)",
+        "  outside pytest and the benchmark: 9 s (the environment's and torchao's checks, this summary)",
+    ], text
+    benchmark = text.split("benchmark (")[1].split("float8 comparison")[0]
+    assert "  modelpar: 65900 tokens/s\n  | variant | tokens/s |" in benchmark, text
+    assert "[time]" not in benchmark and "run 37.0 s" not in benchmark, text
+
+
+def test_the_benchmark_says_where_each_runs_time_went(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run's phases add up to its wall time; the ``[time]`` line gives each phase's median over the runs."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RunResult
+
+    def run(wall: float, warmup: float) -> RunResult:
+        result = RunResult("modelpar", 4, 2048, "NVIDIA H200", "2.11.0+cu130", 989.4, 60000.0)
+        result.setup_s, result.warmup_s, result.step_s = 3.0, warmup, [0.125] * 20
+        result.wall_s, result.startup_s, result.exit_s = wall, 6.0, 3.0
+        return result
+
+    phases = bench_mfu.phases(run(37.0, 12.0))
+    assert list(phases) == ["start-up", "set-up", "warm-up", "timed steps", "exit", "the rest"], phases
+    assert phases["timed steps"] == 2.5 and phases["the rest"] == pytest.approx(10.5), phases
+    assert sum(phases.values()) == pytest.approx(37.0), phases
+    bench_mfu.report_time([run(37.0, 12.0), run(30.0, 4.0), run(39.0, 14.0)], 106.4)
+    assert capsys.readouterr().out == (
+        "[time] 3 runs in 106 s; median run 37.0 s: start-up 6.0 s, set-up 3.0 s, warm-up 12.0 s, timed steps 2.5 s,"
+        " exit 3.0 s, the rest 10.5 s\n"
+    )

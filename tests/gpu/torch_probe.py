@@ -11,8 +11,8 @@ with that record (:func:`gpu_common.needs`); anything that fails later, inside m
 Some calls crash the process instead of raising (torch 2.11 on an H200: ``_functional_collectives.all_gather_tensor``
 over gloo on CUDA tensors, which every DTensor ``redistribute`` and ``full_tensor`` to a gathered layout runs, dies
 with SIGSEGV, while ``dist.all_gather_into_tensor`` works). A crash would take every result of the cases' spawn
-with it, so :func:`probe_crashes` runs each such call in a spawn of its own first, from the test process, and
-:func:`probe` records its outcome beside the others (it travels in :data:`CRASH_ENV`).
+with it, so :func:`probe_crashes` runs each such call in a spawn of its own first (all those spawns at once), from
+the test process, and :func:`probe` records its outcome beside the others (it travels in :data:`CRASH_ENV`).
 
 Then :func:`hand_over` destroys the probe's group and points ``MASTER_PORT`` at a fresh port, so the strategy
 creates its own group the way it would in a user's run: the probe's choices (no ``device_id``, the timeout)
@@ -24,13 +24,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from harness import free_port, run_distributed
+from harness import free_port, free_ports, run_distributed
 
 #: ``{name: {"call": the torch call made, "error": None or "ExceptionType: message"}}``, filled by :func:`probe`
 #: in each rank; what :func:`gpu_common.needs` consults.
@@ -56,19 +58,37 @@ CRASH_PROBES = {
 CRASH_ENV = "MODELPAR_GPU_SUITE_CRASH_PROBES"
 
 
-def probe_crashes(world_size: int, device_type: str) -> dict[str, str | None]:
-    """Run each of :data:`CRASH_PROBES` on ``world_size`` ranks of its own (torch alone); ``{name: None or error}``.
+def probe_crashes(world_sizes: tuple[int, ...], device_type: str) -> dict[int, dict[str, str | None]]:
+    """Run each of :data:`CRASH_PROBES` on each of ``world_sizes``, every probe on ranks of its own (torch alone),
+    all at once; ``{world_size: {name: None or error}}``.
 
-    Called in the test process before the cases' spawn; the outcome goes into :data:`CRASH_ENV` for :func:`probe`.
+    Called in the test process before the cases' spawns; each world's outcome goes into :data:`CRASH_ENV` for
+    :func:`probe`. The spawns run side by side (their pass or fail does not depend on the others; on a GPU each
+    spawn is several seconds of fresh interpreters, and one after another they took a good part of the shared-device
+    file's time), on ports reserved together. Prints a ``[gpu-suite] time crash probes`` line.
     """
-    outcomes: dict[str, str | None] = {}
-    for name in CRASH_PROBES:
+    jobs = [(world, name) for world in world_sizes for name in CRASH_PROBES]
+    ports = free_ports(len(jobs))
+    started = time.time()
+
+    def run(job: tuple[int, str], port: int) -> tuple[str | None, float]:
+        world, name = job
+        outcome = None
         try:
-            run_distributed(_crash_step, world_size, name, device_type, timeout=180)
-            outcomes[name] = None
+            run_distributed(_crash_step, world, name, device_type, timeout=180, port=port)
         except AssertionError as failed:
-            outcomes[name] = _crash_message(str(failed))
-    return outcomes
+            outcome = _crash_message(str(failed))
+        return outcome, time.time() - started
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        ran = list(pool.map(run, jobs, ports))
+    each = {f"{name} on {world}": round(s, 1) for (world, name), (_, s) in zip(jobs, ran, strict=True)}
+    times = {"seconds": round(time.time() - started, 1), "spawns at once": len(jobs), "each": each}
+    print(f"[gpu-suite] time crash probes: {times}")
+    found: dict[int, dict[str, str | None]] = {world: {} for world in world_sizes}
+    for (world, name), (outcome, _) in zip(jobs, ran, strict=True):
+        found[world][name] = outcome
+    return found
 
 
 def _crash_message(report: str) -> str:
