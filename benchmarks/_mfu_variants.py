@@ -89,6 +89,14 @@ class RunResult:
     torchao_version: str | None = None
     #: ``--profile``: milliseconds per profiled step by kernel kind, plus ``"step"`` (wall) and ``"busy"`` (all kinds)
     profile_ms: dict[str, float] | None = None
+    #: When the worker's ``main`` began (epoch seconds): the parent's spawn time before it is the start-up.
+    started_at: float | None = None
+    #: Filled by the parent (``bench_mfu.spawn``): the run's whole wall time, from the spawn until the process
+    #: ended; its start-up (interpreter and imports, until ``started_at``); and its exit (from the result line
+    #: until the process ended: the process group, CUDA and the compile workers shut down).
+    wall_s: float | None = None
+    startup_s: float | None = None
+    exit_s: float | None = None
 
 
 @dataclass
@@ -466,6 +474,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     Out of memory is a result (``oom`` holds the message), not a crash, so a sweep can note it and go on.
     """
+    started_at = time.time()
     peak = peak_flops(args) / 1e12  # before anything slow: an unknown GPU fails at once
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -477,7 +486,7 @@ def run_worker(args: argparse.Namespace) -> None:
     else:
         dist.init_process_group("gloo")
     name = args.variants
-    result = RunResult(name, args.batch, args.seq, device_name(), torch.__version__, peak)
+    result = RunResult(name, args.batch, args.seq, device_name(), torch.__version__, peak, started_at=started_at)
     if name.startswith("float8-"):
         from importlib import metadata
 

@@ -51,6 +51,10 @@ of the per-step losses over the timed steps (each variant's curve: the per-step 
 a GPU of compute capability below 8.9) gets the reason and no float8 run; without a GPU the float8 variants are
 emulated (the smoke check: their figures mean nothing).
 
+Each run's wall time is split into its phases (``(modelpar: run 37.0 s: start-up ..., set-up ..., warm-up ...,
+timed steps ..., exit ..., the rest ...)`` after the run, and a ``[time]`` line of their medians at the end), so a
+benchmark that takes too long (``gpu-check.sh`` runs it and must stay under 5 minutes) says where.
+
 ``--float8 tensorwise-bf16gather`` runs tensorwise with FSDP2's float8 all-gather off (weights gathered in bf16 and
 cast inside the compiled blocks): beside ``tensorwise`` on one GPU, what the float8 all-gather's eager casts cost.
 """
@@ -246,16 +250,51 @@ def spawn(args: argparse.Namespace, variant: str, batch: int, seq: int) -> RunRe
     cmd += ["--worker", "--variants", variant, "--batch", str(batch), "--seq", str(seq), "--data", args.data]
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     result = None
+    spawned = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
         for line in proc.stdout or ():
             if line.startswith(RESULT_PREFIX):
                 result = RunResult(**json.loads(line.removeprefix(RESULT_PREFIX)))
+                reported = time.time()
             else:
                 print(line, end="", flush=True)
+    ended = time.time()
     if proc.returncode != 0 or result is None:
         print(f"{variant}: the run at batch {batch} x {seq} failed (exit code {proc.returncode}; output above)")
         return None
+    result.wall_s, result.exit_s = ended - spawned, ended - reported
+    result.startup_s = result.started_at - spawned if result.started_at is not None else None
+    print(f"  ({variant}: {phases_text([result])})", flush=True)
     return result
+
+
+def phases(result: RunResult) -> dict[str, float]:
+    """Where a run's wall time went, in order: start-up (interpreter, imports), set-up (meta model to sharded),
+    warm-up (compilation), the timed steps, exit, and the rest (process group, data, building, profiling)."""
+    parts = {
+        "start-up": result.startup_s or 0.0,
+        "set-up": result.setup_s or 0.0,
+        "warm-up": result.warmup_s or 0.0,
+        "timed steps": sum(result.step_s or ()),
+        "exit": result.exit_s or 0.0,
+    }
+    parts["the rest"] = max(0.0, (result.wall_s or 0.0) - sum(parts.values()))
+    return parts
+
+
+def phases_text(results: list[RunResult]) -> str:
+    """``"run 37.0 s: start-up 6.0 s, set-up 3.0 s, ..."``: each phase's median over ``results``."""
+    wall = statistics.median(r.wall_s or 0.0 for r in results)
+    split = [phases(r) for r in results]
+    parts = ", ".join(f"{name} {statistics.median(p[name] for p in split):.1f} s" for name in split[0])
+    return f"run {wall:.1f} s: {parts}"
+
+
+def report_time(runs: list[RunResult], elapsed: float) -> None:
+    """The ``[time]`` line: how long the benchmark took and where a run's time went (``gpu-check.sh``, which must
+    stay under 5 minutes, shows it)."""
+    if runs:
+        print(f"[time] {len(runs)} runs in {elapsed:.0f} s; median {phases_text(runs)}")
 
 
 def rounds(args: argparse.Namespace) -> tuple[int, float | None]:
@@ -315,9 +354,11 @@ def compare(args: argparse.Namespace) -> int:
                 print(f"{variant} {why} at {args.batch} x {args.seq}: no comparison")
                 return 1
             runs[variant].append(result)
-    report(args, runs, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    report(args, runs, elapsed)
     if float8 and refusal is None:
         report_float8(args, runs)
+    report_time([r for rs in runs.values() for r in rs], elapsed)
     return 0
 
 
@@ -528,8 +569,10 @@ def sweep(args: argparse.Namespace) -> int:
         )
         if best is None or tps > best[0]:
             best = (tps, f"batch {batch} x {seq}: {tps:.0f} tokens/s ({mfu[0]:.1%} / {mfu[1]:.1%} causal)")
+    elapsed = time.perf_counter() - start
     if best is not None:
-        print(f"\nbest on {first.device}: {best[1]}. {len(measured)} runs in {time.perf_counter() - start:.0f} s.")
+        print(f"\nbest on {first.device}: {best[1]}. {len(measured)} runs in {elapsed:.0f} s.")
+    report_time(measured, elapsed)
     return 0
 
 
