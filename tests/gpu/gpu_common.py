@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from harness import run_distributed
+
 #: Environment variable naming the device the suite runs on: "cuda" (default) or "cpu" (self-check).
 DEVICE_VARIABLE = "MODELPAR_GPU_SUITE_DEVICE"
 
@@ -109,8 +111,6 @@ def spawn_cases(label: str, grid: Callable[..., dict[str, Any]], world: int, *ar
     long the processes took to start (imports, CUDA; the latest rank's) and each case (the slowest rank's), so
     the next cut goes where the time is. ``gpu_summary.py`` shows them.
     """
-    from harness import run_distributed
-
     started = time.time()
     results = run_distributed(grid, world, *args, timeout=timeout)
     print(f"[gpu-suite] time {label}: {spawn_times(results, started, time.time())}")

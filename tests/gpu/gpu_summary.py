@@ -9,9 +9,8 @@ own error line, each skip's reason, what the probe found torch alone could run, 
 float8 comparison's ``[summary]`` lines (its runs are the benchmark's; or why it did not run: torchao missing is
 no failure, but must not pass unseen), the environment, where the time went (each spawn's start-up and slowest
 cases, a benchmark run's phases: the whole check must stay under 5 minutes) and the wall time. Read from the files
-the script wrote
-(``junit.xml``, ``figures.txt``, ``bench_mfu.txt``, ``bench_float8.txt``, ``environment.txt``, ``pytest.log``); a
-missing or broken one is said so, never a reason to print nothing.
+the script wrote (``junit.xml``, ``figures.txt``, ``bench_mfu.txt``, ``bench_float8.txt``, ``environment.txt``,
+``pytest.log``); a missing or broken one is said so, never a reason to print nothing.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def probe_crashes(world_sizes: tuple[int, ...], device_type: str) -> dict[int, d
 
     Called in the test process before the cases' spawns; each world's outcome goes into :data:`CRASH_ENV` for
     :func:`probe`. The spawns run side by side (their pass or fail does not depend on the others; on a GPU each
-    spawn is several seconds of fresh interpreters, and one after another they took a good part of the shared-device
-    file's time), on ports reserved together. Prints a ``[gpu-suite] time crash probes`` line.
+    spawn starts fresh interpreters, which one after another add up), on ports reserved together. Prints a
+    ``[gpu-suite] time crash probes`` line.
     """
     jobs = [(world, name) for world in world_sizes for name in CRASH_PROBES]
     ports = free_ports(len(jobs))
