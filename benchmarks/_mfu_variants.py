@@ -472,7 +472,8 @@ def _is_oom(err: BaseException) -> bool:
 def run_worker(args: argparse.Namespace) -> None:
     """Run ``args.variants`` (one name) at ``args.batch`` x ``args.seq``; print its line and its JSON result.
 
-    Out of memory is a result (``oom`` holds the message), not a crash, so a sweep can note it and go on.
+    Out of memory is a result (``oom`` holds the message), not a crash, so a sweep can note it and go on. The
+    process group is left to the process's end (``bench_mfu.end_worker``), which follows the result at once.
     """
     started_at = time.time()
     peak = peak_flops(args) / 1e12  # before anything slow: an unknown GPU fails at once
@@ -519,4 +520,3 @@ def run_worker(args: argparse.Namespace) -> None:
             flush=True,
         )
     print(RESULT_PREFIX + json.dumps(asdict(result)), flush=True)
-    dist.destroy_process_group()
