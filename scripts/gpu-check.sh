@@ -48,6 +48,8 @@ if [ -n "$missing" ]; then
   fi
 fi
 
+# The environment (the GPU, torch, the packages' versions: some 7 s, most of it importing Lightning and
+# transformers) is written while pytest runs, and shown after it.
 {
   echo "== environment ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)) =="
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
@@ -64,37 +66,22 @@ if tuple(int(v) for v in torch.__version__.split(".")[:2]) < floor:
     print(f"NOTE: torch {torch.__version__} is below modelpar's floor ({floor[0]}.{floor[1]}):"
           " failures may be torch's, not ours")
 EOF
-} 2>&1 | tee "$OUT/environment.txt"
+} > "$OUT/environment.txt" 2>&1 &
+environment=$!
 
-echo "== tests/gpu ==" | tee "$OUT/pytest.log"
-rm -f "$OUT/junit.xml"  # the summary must not read an earlier run's results
-pytest_started=$SECONDS
-# --timeout: per test, past the spawns' own deadlines (600 s); it only ends a hang the harness missed.
-"$PYTHON" -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider --timeout 900 \
-  --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee -a "$OUT/pytest.log"
-status=${PIPESTATUS[0]}
-pytest_status=$status
-pytest_seconds=$((SECONDS - pytest_started))
-# -o: pytest -s prints a test's progress mark ('.', 's', 'F') in front of the line a case printed first.
-grep -o "\[gpu-suite\] .*" "$OUT/pytest.log" > "$OUT/figures.txt" || true
-
-bench_args=()
-float8_args=()
+# Can torchao train in float8 here? The benchmark's float8 comparison (issue 29) needs it. Asked while pytest runs
+# (importing torchao takes some 5 s): it writes only its own files.
 rm -f "$OUT/bench_float8.txt"  # the summary must not read an earlier run's float8 check
-if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ]; then
-  # The float8 comparison (issue 29) runs inside the benchmark: its float8 variants take turns with the bf16 ones,
-  # and the one bf16 modelpar run is the baseline of both. Run apart, it ran modelpar in bf16 a second time: 89 s
-  # of the 5 min 33 s the whole check took on an H200 on 2026-11-27.
-  float8_bench=()
-  recipes=${GPU_CHECK_FLOAT8:-tensorwise}
-  if [ "$recipes" = "0" ]; then
-    float8_args=(--float8-not-run "left out (GPU_CHECK_FLOAT8=0)")
-  else
-    echo "== can torchao train in float8 here? ==" > "$OUT/bench_float8.txt"
-    # Why torchao cannot be used here ('' when it can): not installed, older than modelpar's minimum, or broken.
-    # Only the line marked "float8-check:" counts; what torchao's import prints (kernels for other GPUs it could
-    # not load) goes to bench_float8.txt.
-    no_torchao=$("$PYTHON" - 2>>"$OUT/bench_float8.txt" <<'EOF'
+recipes=${GPU_CHECK_FLOAT8:-tensorwise}
+float8_answer=$(mktemp)
+trap 'rm -f "$float8_answer"' EXIT
+float8_check=
+if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ] && [ "$recipes" != "0" ]; then
+  echo "== can torchao train in float8 here? ==" > "$OUT/bench_float8.txt"
+  # Why torchao cannot be used here ('' when it can): not installed, older than modelpar's minimum, or broken.
+  # Only the line marked "float8-check:" counts; what torchao's import prints (kernels for other GPUs it could
+  # not load) goes to bench_float8.txt.
+  "$PYTHON" - >"$float8_answer" 2>>"$OUT/bench_float8.txt" <<'EOF' &
 from modelpar.float8._torchao import check_torchao_version, installed_torchao
 
 
@@ -109,9 +96,36 @@ def why_not() -> str:
 
 print(f"float8-check: {why_not()}")
 EOF
-)
+  float8_check=$!
+fi
+
+echo "== tests/gpu ==" | tee "$OUT/pytest.log"
+rm -f "$OUT/junit.xml"  # the summary must not read an earlier run's results
+pytest_started=$SECONDS
+# --timeout: per test, past the spawns' own deadlines (600 s); it only ends a hang the harness missed.
+"$PYTHON" -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider --timeout 900 \
+  --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee -a "$OUT/pytest.log"
+status=${PIPESTATUS[0]}
+pytest_status=$status
+pytest_seconds=$((SECONDS - pytest_started))
+# -o: pytest -s prints a test's progress mark ('.', 's', 'F') in front of the line a case printed first.
+grep -o "\[gpu-suite\] .*" "$OUT/pytest.log" > "$OUT/figures.txt" || true
+wait "$environment"
+cat "$OUT/environment.txt"
+
+bench_args=()
+float8_args=()
+if [ "${GPU_CHECK_SKIP_MFU:-0}" != "1" ]; then
+  # The float8 comparison (issue 29) runs inside the benchmark: its float8 variants take turns with the bf16 ones,
+  # and the one bf16 modelpar run is the baseline of both. Run apart, it ran modelpar in bf16 a second time: 89 s
+  # of the 5 min 33 s the whole check took on an H200 on 2026-11-27.
+  float8_bench=()
+  if [ "$recipes" = "0" ]; then
+    float8_args=(--float8-not-run "left out (GPU_CHECK_FLOAT8=0)")
+  else
+    wait "$float8_check"  # started before pytest
     check_status=$?
-    no_torchao=$(printf '%s\n' "$no_torchao" | sed -n 's/^float8-check: //p' | tail -n 1)
+    no_torchao=$(sed -n 's/^float8-check: //p' "$float8_answer" | tail -n 1)
     if [ "$check_status" -ne 0 ]; then
       no_torchao="the torchao check failed (exit $check_status; its error is in bench_float8.txt)"
     fi

@@ -263,9 +263,7 @@ def time_lines(out: Path, args: argparse.Namespace) -> list[str]:
             )
             lines.append(f"  benchmark: {line}{own}")
     rest = args.wall_seconds - args.pytest_seconds - (args.bench_seconds if args.bench_exit is not None else 0)
-    lines.append(
-        f"  outside pytest and the benchmark: {rest:.0f} s (the environment's and torchao's checks, this summary)"
-    )
+    lines.append(f"  outside pytest and the benchmark: {rest:.0f} s (the CUDA and package checks, this summary)")
     return ["where the time went:", *lines]
 
 

@@ -416,7 +416,7 @@ def test_the_summary_says_where_the_time_went(tmp_path: Path) -> None:
         "  2 ranks: spawn 58.1 s, start-up 7.1 s; slowest: compile_tp 30.8 s",
         "  benchmark: 3 runs in 103 s; median run 37.0 s: start-up 6.0 s, set-up 3.0 s; outside its runs 8 s (its own"
         " process, checks)",
-        "  outside pytest and the benchmark: 9 s (the environment's and torchao's checks, this summary)",
+        "  outside pytest and the benchmark: 9 s (the CUDA and package checks, this summary)",
     ], text
     benchmark = text.split("benchmark (")[1].split("float8 comparison")[0]
     assert "  modelpar: 65900 tokens/s\n  | variant | tokens/s |" in benchmark, text
