@@ -103,16 +103,18 @@ def run_cases(cases: dict[str, Callable[[], dict[str, Any]]], names: list[str] |
 TIMES = "_time"
 
 
-def spawn_cases(label: str, grid: Callable[..., dict[str, Any]], world: int, *args: Any, timeout: float) -> Any:
-    """``run_distributed(grid, world, *args)``, then one ``[gpu-suite] time <label>: {...}`` line: where the
-    spawn's seconds went.
+def spawn_cases(
+    label: str, grid: Callable[..., dict[str, Any]], world: int, *args: Any, timeout: float, port: int | None = None
+) -> Any:
+    """``run_distributed(grid, world, *args)`` (on ``port``, default a free one), then one ``[gpu-suite] time
+    <label>: {...}`` line: where the spawn's seconds went.
 
     A GPU run is measured in minutes a task may not have (``gpu-check.sh`` must stay under 5): the line says how
     long the processes took to start (imports, CUDA; the latest rank's) and each case (the slowest rank's), so
     the next cut goes where the time is. ``gpu_summary.py`` shows them.
     """
     started = time.time()
-    results = run_distributed(grid, world, *args, timeout=timeout)
+    results = run_distributed(grid, world, *args, timeout=timeout, port=port)
     print(f"[gpu-suite] time {label}: {spawn_times(results, started, time.time())}")
     return results
 

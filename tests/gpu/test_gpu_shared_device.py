@@ -7,7 +7,7 @@ suite), then hands over to the strategy, which creates its own process group and
 case that needs a call torch could not make is skipped with that call and its error; everything else that
 fails is a failure. A call that crashes the process instead of raising (torch 2.11: the functional all-gather
 behind DTensor's gathering redistributes, SIGSEGV over gloo on CUDA) is probed in a spawn of its own before the
-cases' spawn, and the cases compare each rank's block with the reference's block, so that only the cases that
+cases' spawns (2 and 4 ranks, side by side), and the cases compare each rank's block with the reference's block, so that only the cases that
 need such a gather (tensor parallelism, full files, resharding, compile with TP) depend on it. Checked against one-process CUDA builds: each rank's shard after meta-device init (2x1,
 1x2, 2x2, HSDP 2x2x1), training, CPU offload, clipping, full-file streaming (``torch.cuda.max_memory_allocated``
 per rank), async distributed saves resharded on load, and ``compile`` with tensor parallelism. Two more cases
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from gpu_common import check, device, full, max_abs_diff, needs, on_cuda, refere
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from harness import PG_TIMEOUT
+from harness import PG_TIMEOUT, free_ports
 from modelpar import ModelParallelStrategy, clip_grad_norm
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, parallelize_llama
@@ -476,38 +477,72 @@ FOUR_RANK_CASES = [
 ]
 
 
-def grid(names: list[str] | None) -> dict[str, Any]:
+def grid(names: list[str] | None, crashes: dict[str, str | None]) -> dict[str, Any]:
+    """A rank's cases, with the crash probes' outcomes for its world size, which ``torch_probe.probe`` reads."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # ranks share the machine's cores
+    os.environ[torch_probe.CRASH_ENV] = json.dumps(crashes)
     return run_cases(CASES, names)
 
 
-def _spawn(world: int, names: list[str] | None, crashes: dict[str, str | None]) -> list[dict[str, Any]]:
-    """Every case in one spawn, with the crash probes' outcomes for this world size (``crash_probes``)."""
-    previous = os.environ.get(torch_probe.CRASH_ENV)
-    os.environ[torch_probe.CRASH_ENV] = json.dumps(crashes)  # the spawned ranks inherit it
-    try:
-        return spawn_cases(f"{world} ranks", grid, world, names, timeout=600)
-    finally:
-        if previous is None:
-            os.environ.pop(torch_probe.CRASH_ENV, None)
-        else:
-            os.environ[torch_probe.CRASH_ENV] = previous
+#: The cases of each world size's spawn (``None``: all of :data:`CASES`).
+SPAWNS: dict[int, list[str] | None] = {2: None, 4: FOUR_RANK_CASES}
 
 
 @pytest.fixture(scope="module")
 def crash_probes() -> dict[int, dict[str, str | None]]:
     """The crash probes of both world sizes, each in a spawn of its own (torch alone), all at once, first."""
-    return torch_probe.probe_crashes((2, 4), device().type)
+    return torch_probe.probe_crashes(tuple(SPAWNS), device().type)
+
+
+def _worlds_wanted(request: Any) -> list[int]:
+    """The world sizes whose spawn a selected test of this module reads (``-k`` may leave one out)."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted |= {w for w, name in ((2, "two"), (4, "four")) if name in item.fixturenames or params.get("world") == w}
+    return sorted(wanted)
 
 
 @pytest.fixture(scope="module")
-def two(crash_probes: dict[int, dict[str, str | None]]) -> list[dict[str, Any]]:
-    return _spawn(2, None, crash_probes[2])
+def case_spawns(
+    crash_probes: dict[int, dict[str, str | None]], request: Any
+) -> dict[int, list[dict[str, Any]] | BaseException]:
+    """Each wanted world size's cases in one spawn, the spawns side by side, after the crash probes (whose outcomes
+    they need): each rank's results, or what the spawn raised.
+
+    Why side by side: on a GPU every spawn starts fresh interpreters (imports, CUDA), and ``gpu-check.sh`` must stay
+    under 5 minutes. The cases of one spawn do not depend on the other's (their own process groups, on ports
+    reserved together); they check values, not speed (the pipeline case's tokens/s is a figure, not a goal); and
+    a rank's peak memory is its own process's.
+    """
+    worlds = _worlds_wanted(request)
+    ports = free_ports(len(worlds))
+
+    def spawn(world: int, port: int) -> list[dict[str, Any]]:
+        return spawn_cases(f"{world} ranks", grid, world, SPAWNS[world], crash_probes[world], timeout=600, port=port)
+
+    with ThreadPoolExecutor(max_workers=max(len(worlds), 1)) as pool:
+        futures = {world: pool.submit(spawn, world, port) for world, port in zip(worlds, ports, strict=True)}
+        return {world: future.exception() or future.result() for world, future in futures.items()}
+
+
+def _results(spawns: dict[int, list[dict[str, Any]] | BaseException], world: int) -> list[dict[str, Any]]:
+    found = spawns[world]
+    if isinstance(found, BaseException):
+        raise found
+    return found
 
 
 @pytest.fixture(scope="module")
-def four(crash_probes: dict[int, dict[str, str | None]]) -> list[dict[str, Any]]:
-    return _spawn(4, FOUR_RANK_CASES, crash_probes[4])
+def two(case_spawns: dict[int, list[dict[str, Any]] | BaseException]) -> list[dict[str, Any]]:
+    return _results(case_spawns, 2)
+
+
+@pytest.fixture(scope="module")
+def four(case_spawns: dict[int, list[dict[str, Any]] | BaseException]) -> list[dict[str, Any]]:
+    return _results(case_spawns, 4)
 
 
 @pytest.mark.parametrize("world", [2, 4])
