@@ -489,9 +489,9 @@ SPAWNS: dict[int, list[str] | None] = {2: None, 4: FOUR_RANK_CASES}
 
 
 @pytest.fixture(scope="module")
-def crash_probes() -> dict[int, dict[str, str | None]]:
-    """The crash probes of both world sizes, each in a spawn of its own (torch alone), all at once, first."""
-    return torch_probe.probe_crashes(tuple(SPAWNS), device().type)
+def crash_probes(request: Any) -> dict[int, dict[str, str | None]]:
+    """The crash probes of each wanted world size, each in a spawn of its own (torch alone), all at once, first."""
+    return torch_probe.probe_crashes(tuple(_worlds_wanted(request)), device().type)
 
 
 def _worlds_wanted(request: Any) -> list[int]:
