@@ -6,7 +6,8 @@
 # It uses the machine's own CUDA build of torch (a CPU .venv cannot see the GPU): PYTHON picks the
 # interpreter (default python3). modelpar runs from this checkout (PYTHONPATH=src), so nothing is built.
 # Missing test dependencies are installed with pip when an index is reachable; otherwise it says which.
-# GPU_CHECK_SKIP_MFU=1 leaves out the benchmark; extra arguments go to pytest (e.g. -k offload).
+# GPU_CHECK_SKIP_MFU=1 leaves out the benchmark; extra arguments go to pytest (e.g. -k offload): to both of its
+# processes, for the one-process file runs in one of its own beside the other files.
 # The benchmark includes the float8 comparison (issue 29): bench_mfu.py --float8 $GPU_CHECK_FLOAT8 (default
 # tensorwise; a comma list of recipes, or 0 to leave it out) adds float8 runs of modelpar beside the bf16 variants,
 # measured against the same bf16 modelpar run, when torchao is importable. Without torchao it says how to bring
@@ -100,14 +101,42 @@ EOF
 fi
 
 echo "== tests/gpu ==" | tee "$OUT/pytest.log"
-rm -f "$OUT/junit.xml"  # the summary must not read an earlier run's results
+# The summary must not read an earlier run's results.
+rm -f "$OUT/junit.xml" "$OUT/junit-one-process.xml" "$OUT/junit-others.xml" "$OUT/pytest-one-process.log"
 pytest_started=$SECONDS
 # --timeout: per test, past the spawns' own deadlines (600 s); it only ends a hang the harness missed.
-"$PYTHON" -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider --timeout 900 \
-  --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee -a "$OUT/pytest.log"
-status=${PIPESTATUS[0]}
+pytest_args=(-m gpu -rA -s -p no:cacheprovider --timeout 900)
+# The one-process file (one rank, NCCL on a 1x1 mesh) runs in a pytest of its own, beside the other files (ranks
+# sharing the GPU over gloo): their cases check values, not speed, and a process's memory figures are its own. One
+# after the other, it took 26 s of the check on 2026-11-27. Its output follows the others', here and in pytest.log.
+# Extra arguments go to both (select tests with -k, not with paths); a side that selects none is no failure.
+one_process=tests/gpu/test_gpu_one_process.py
+"$PYTHON" -m pytest "$one_process" "${pytest_args[@]}" --junitxml="$OUT/junit-one-process.xml" "$@" \
+  > "$OUT/pytest-one-process.log" 2>&1 &
+one_process_pid=$!
+trap 'kill "$one_process_pid" 2>/dev/null; exit 130' INT TERM
+"$PYTHON" -m pytest tests/gpu --ignore="$one_process" "${pytest_args[@]}" --junitxml="$OUT/junit-others.xml" "$@" \
+  2>&1 | tee -a "$OUT/pytest.log"
+others_status=${PIPESTATUS[0]}
+wait "$one_process_pid"
+one_process_status=$?
+trap - INT TERM
+echo "== $one_process (it ran beside the files above) ==" | tee -a "$OUT/pytest.log"
+tee -a "$OUT/pytest.log" < "$OUT/pytest-one-process.log"
+rm -f "$OUT/pytest-one-process.log"
+# pytest's exit 5 means it selected no test: the check says 5 only if neither selected one.
+status=0
+for side in "$others_status" "$one_process_status"; do
+  if [ "$side" -ne 5 ] && [ "$side" -gt "$status" ]; then status=$side; fi
+done
+if [ "$others_status" -eq 5 ] && [ "$one_process_status" -eq 5 ]; then status=5; fi
 pytest_status=$status
 pytest_seconds=$((SECONDS - pytest_started))
+# One junit.xml for the summary; a side without a readable one (its pytest crashed) is a failed test there.
+"$PYTHON" tests/gpu/gpu_summary.py --merge-junit "$OUT/junit.xml" \
+  "$OUT/junit-others.xml" "tests/gpu/ (the other files)" "$others_status" \
+  "$OUT/junit-one-process.xml" "$one_process" "$one_process_status"
+rm -f "$OUT/junit-one-process.xml" "$OUT/junit-others.xml"
 # -o: pytest -s prints a test's progress mark ('.', 's', 'F') in front of the line a case printed first.
 grep -o "\[gpu-suite\] .*" "$OUT/pytest.log" > "$OUT/figures.txt" || true
 wait "$environment"

@@ -2,6 +2,7 @@
 
     python tests/gpu/gpu_summary.py OUT --exit N --pytest-exit N --pytest-seconds S [--bench-exit N
         --bench-seconds S] [--float8-in-bench RECIPES | --float8-not-run REASON] --wall-seconds S
+    python tests/gpu/gpu_summary.py --merge-junit TARGET [PATH RAN STATUS]...   (the pytest sides' junit XML)
 
 A GPU run is rare (a task may be lent a machine for minutes), so its result has to be readable at a glance
 and pasted whole into an issue: per test file the passed/failed/skipped counts, each failure's test with its
@@ -54,7 +55,8 @@ def read_junit(path: Path) -> Outcomes:
     outcomes = Outcomes()
     for case in ET.parse(path).getroot().iter("testcase"):
         module = case.get("classname", "?")
-        file = module.replace(".", "/") + ".py" if module != "?" else "?"
+        # pytest names a module ("tests.gpu.test_x"); a case merge_junit made for a side without results, a path
+        file = module if "/" in module or module == "?" else module.replace(".", "/") + ".py"
         counts = outcomes.files.setdefault(file, FileCounts())
         seconds = float(case.get("time") or 0.0)
         counts.seconds += seconds
@@ -70,6 +72,29 @@ def read_junit(path: Path) -> Outcomes:
         else:
             counts.passed += 1
     return outcomes
+
+
+def merge_junit(target: Path, sides: list[tuple[Path, str, int]]) -> None:
+    """Write ``target`` from each side's junit XML: ``(path, what it ran, its pytest's exit status)``.
+
+    ``gpu-check.sh`` runs the one-process file in a pytest of its own beside the other files. A side without a
+    readable file (its pytest crashed, or was killed) becomes one failed test named after what it ran, with its
+    exit status: the summary then says so instead of showing fewer files.
+    """
+    root = ET.Element("testsuites")
+    for path, ran, status in sides:
+        try:
+            found = ET.parse(path).getroot()
+        except (OSError, ET.ParseError) as error:
+            suite = ET.SubElement(root, "testsuite", name=ran, tests="1", errors="1")
+            case = ET.SubElement(suite, "testcase", classname=ran, name="(its pytest)", time="0")
+            message = (
+                f"pytest of {ran} wrote no readable junit XML (exit {status}; {type(error).__name__}): read pytest.log"
+            )
+            ET.SubElement(case, "error", message=message)
+            continue
+        root.extend([found] if found.tag == "testsuite" else list(found.iter("testsuite")))
+    ET.ElementTree(root).write(target, encoding="utf-8", xml_declaration=True)
 
 
 def error_line(message: str, text: str) -> str:
@@ -304,6 +329,11 @@ def _read_lines(path: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--merge-junit"]:  # TARGET, then PATH RAN STATUS for each side
+        target, rest = Path(argv[1]), argv[2:]
+        merge_junit(target, [(Path(a), b, int(c)) for a, b, c in zip(rest[::3], rest[1::3], rest[2::3], strict=True)])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the folder gpu-check.sh wrote its results to")
     p.add_argument("--exit", type=int, required=True, help="gpu-check.sh's exit status")

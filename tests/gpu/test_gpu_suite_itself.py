@@ -184,6 +184,34 @@ def test_the_summary_counts_each_file_and_names_each_failure_skip_probe_and_benc
     assert text.splitlines()[-1].startswith("gpu-check: exit 1; results in "), text
 
 
+def test_the_two_pytest_sides_merge_into_one_junit_and_a_side_without_results_is_a_failure(tmp_path: Path) -> None:
+    """gpu-check.sh runs the one-process file in a pytest of its own beside the other files: one junit.xml for the
+    summary, every side's files in it, and a side whose pytest wrote nothing (it crashed) counted as a failure."""
+    (tmp_path / "others.xml").write_text(_JUNIT)
+    (tmp_path / "none-selected.xml").write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="0"/></testsuites>'
+    )
+    target = tmp_path / "junit.xml"
+    argv = ["--merge-junit", str(target), str(tmp_path / "others.xml"), "tests/gpu/ (the other files)", "1"]
+    argv += [str(tmp_path / "none-selected.xml"), "tests/gpu/test_gpu_suite_itself.py", "5"]
+    argv += [str(tmp_path / "missing.xml"), "tests/gpu/test_gpu_one_process.py", "3"]
+    assert gpu_summary.main(argv) == 0
+    outcomes = gpu_summary.read_junit(target)
+    shared, one = outcomes.files["tests/gpu/test_gpu_shared_device.py"], outcomes.files[ONE]
+    assert (shared.passed, shared.failed, shared.skipped) == (0, 2, 1), outcomes.files
+    assert (one.passed, one.failed, one.skipped) == (1, 1, 1), outcomes.files  # _JUNIT's two cases, and the crash
+    assert len(outcomes.files) == 2, outcomes.files  # the side that selected nothing adds nothing
+    assert (
+        "test_gpu_one_process.py::(its pytest)",
+        f"pytest of {ONE} wrote no readable junit XML (exit 3; FileNotFoundError): read pytest.log",
+    ) in outcomes.failures, outcomes.failures
+    with pytest.raises(ValueError):  # a side given without its exit status
+        gpu_summary.main(["--merge-junit", str(target), str(tmp_path / "others.xml"), "tests/gpu/"])
+
+
+ONE = "tests/gpu/test_gpu_one_process.py"
+
+
 def test_the_summary_says_what_is_missing_rather_than_nothing(tmp_path: Path) -> None:
     text = "\n".join(_summary(tmp_path, junit=False, bench=False))
     assert "tests: no readable junit.xml" in text and "== 1 failed, 1 passed in 80.1s ==" in text, text
