@@ -114,7 +114,9 @@ one_process=tests/gpu/test_gpu_one_process.py
 "$PYTHON" -m pytest "$one_process" "${pytest_args[@]}" --junitxml="$OUT/junit-one-process.xml" "$@" \
   > "$OUT/pytest-one-process.log" 2>&1 &
 one_process_pid=$!
-trap 'kill "$one_process_pid" 2>/dev/null; exit 130' INT TERM
+# Interrupted: the background pytest and checks end too.
+trap 'kill $(jobs -p) 2>/dev/null; exit 130' INT
+trap 'kill $(jobs -p) 2>/dev/null; exit 143' TERM
 "$PYTHON" -m pytest tests/gpu --ignore="$one_process" "${pytest_args[@]}" --junitxml="$OUT/junit-others.xml" "$@" \
   2>&1 | tee -a "$OUT/pytest.log"
 others_status=${PIPESTATUS[0]}
