@@ -1,17 +1,18 @@
 """2 and 4 processes sharing the one GPU over gloo: the multi-rank logic on CUDA tensors, standalone.
 
-NCCL refuses two ranks on one GPU, so these ranks talk over gloo while their tensors live on ``cuda:0``
-(every rank's root device; the standalone strategy is given the devices, the environment and the backend).
-Each spawn first probes, with torch alone, what gloo runs on CUDA tensors (``torch_probe``: printed by the
-suite), then hands over to the strategy, which creates its own process group and mesh (a case of its own). A
-case that needs a call torch could not make is skipped with that call and its error; everything else that
-fails is a failure. A call that crashes the process instead of raising (torch 2.11: the functional all-gather
-behind DTensor's gathering redistributes, SIGSEGV over gloo on CUDA) is probed in a spawn of its own before the
-cases' spawns (2 and 4 ranks, side by side), and the cases compare each rank's block with the reference's block, so that only the cases that
-need such a gather (tensor parallelism, full files, resharding, compile with TP) depend on it. Checked against one-process CUDA builds: each rank's shard after meta-device init (2x1,
-1x2, 2x2, HSDP 2x2x1), training, CPU offload, clipping, full-file streaming (``torch.cuda.max_memory_allocated``
-per rank), async distributed saves resharded on load, and ``compile`` with tensor parallelism. Two more cases
-check the suite itself: modelpar's set-up made to raise is reported as a failure, never a skip.
+NCCL refuses two ranks on one GPU, so these ranks talk over gloo while their tensors live on ``cuda:0`` (every
+rank's root device; the standalone strategy is given the devices, the environment and the backend). Each spawn first
+probes, with torch alone, what gloo runs on CUDA tensors (``torch_probe``: printed by the suite), then hands over to
+the strategy, which creates its own process group and mesh (a case of its own). A case that needs a call torch could
+not make is skipped with that call and its error; everything else that fails is a failure. A call that crashes the
+process instead of raising (torch 2.11: the functional all-gather behind DTensor's gathering redistributes, SIGSEGV
+over gloo on CUDA) is probed in a spawn of its own before the cases' spawns (2 and 4 ranks, side by side), and the
+cases compare each rank's block with the reference's block, so that only the cases that need such a gather (tensor
+parallelism, full files, resharding, compile with TP) depend on it. Checked against one-process CUDA builds: each
+rank's shard after meta-device init (2x1, 1x2, 2x2, HSDP 2x2x1), training, CPU offload, clipping, full-file
+streaming (``torch.cuda.max_memory_allocated`` per rank), async distributed saves resharded on load, and ``compile``
+with tensor parallelism. Two more cases check the suite itself: modelpar's set-up made to raise is reported as a
+failure, never a skip.
 """
 
 from __future__ import annotations
