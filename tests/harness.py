@@ -19,9 +19,10 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 #: Process-group timeout for tests: long enough for a slow CI machine, short enough to end a hang.
 PG_TIMEOUT = timedelta(seconds=90)
@@ -41,6 +42,22 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+T = TypeVar("T")
+
+
+def side_by_side(calls: Sequence[Callable[[int], T]]) -> list[T | BaseException]:
+    """Run every ``call(port)`` at once, each in a thread of its own with a port of its own (reserved together, so
+    no two coincide); return what each returned, or the exception it raised.
+
+    For spawns that do not depend on one another (the GPU suite's probes and case grids): on a GPU each spawn
+    starts fresh interpreters (imports, CUDA), which one after another add up.
+    """
+    ports = free_ports(len(calls))
+    with ThreadPoolExecutor(max_workers=max(len(calls), 1)) as pool:
+        futures = [pool.submit(call, port) for call, port in zip(calls, ports, strict=True)]
+        return [future.exception() or future.result() for future in futures]
 
 
 def launcher_env(rank: int, world_size: int, nodes: int, port: int) -> dict[str, str]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from gpu_common import check, device, full, max_abs_diff, needs, on_cuda, refere
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from harness import PG_TIMEOUT, free_ports
+from harness import PG_TIMEOUT, side_by_side
 from modelpar import ModelParallelStrategy, clip_grad_norm
 from modelpar.models import Llama, LlamaConfig
 from modelpar.plans import LLAMA_PLAN, parallelize_llama
@@ -519,14 +518,11 @@ def case_spawns(
     a rank's peak memory is its own process's.
     """
     worlds = _worlds_wanted(request)
-    ports = free_ports(len(worlds))
 
     def spawn(world: int, port: int) -> list[dict[str, Any]]:
         return spawn_cases(f"{world} ranks", grid, world, SPAWNS[world], crash_probes[world], timeout=600, port=port)
 
-    with ThreadPoolExecutor(max_workers=max(len(worlds), 1)) as pool:
-        futures = {world: pool.submit(spawn, world, port) for world, port in zip(worlds, ports, strict=True)}
-        return {world: future.exception() or future.result() for world, future in futures.items()}
+    return dict(zip(worlds, side_by_side([partial(spawn, world) for world in worlds]), strict=True))
 
 
 def _results(spawns: dict[int, list[dict[str, Any]] | BaseException], world: int) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -413,6 +414,24 @@ def test_ports_reserved_together_for_spawns_at_once_are_distinct() -> None:
 
     ports = free_ports(8)
     assert len(set(ports)) == 8 and all(p > 0 for p in ports), ports
+
+
+def test_calls_side_by_side_get_distinct_ports_and_each_its_own_result_or_error() -> None:
+    import threading
+
+    from harness import side_by_side
+
+    started = threading.Barrier(3, timeout=10)  # passes only if all three run at once
+
+    def call(kind: str, port: int) -> tuple[str, int]:
+        started.wait()
+        if kind == "raises":
+            raise RuntimeError(f"boom on {port}")
+        return kind, port
+
+    done = side_by_side([partial(call, "a"), partial(call, "raises"), partial(call, "b")])
+    assert [d[0] for d in (done[0], done[2])] == ["a", "b"] and done[0][1] != done[2][1], done  # type: ignore[index]
+    assert isinstance(done[1], RuntimeError) and str(done[1]).startswith("boom on "), done
 
 
 def test_the_summary_says_where_the_time_went(tmp_path: Path) -> None:

@@ -26,13 +26,13 @@ import os
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from harness import free_port, free_ports, run_distributed
+from harness import free_port, run_distributed, side_by_side
 
 #: ``{name: {"call": the torch call made, "error": None or "ExceptionType: message"}}``, filled by :func:`probe`
 #: in each rank; what :func:`gpu_common.needs` consults.
@@ -68,20 +68,21 @@ def probe_crashes(world_sizes: tuple[int, ...], device_type: str) -> dict[int, d
     ``[gpu-suite] time crash probes`` line.
     """
     jobs = [(world, name) for world in world_sizes for name in CRASH_PROBES]
-    ports = free_ports(len(jobs))
     started = time.time()
 
-    def run(job: tuple[int, str], port: int) -> tuple[str | None, float]:
-        world, name = job
+    def run(world: int, name: str, port: int) -> tuple[str | None, float]:
         outcome = None
         try:
             run_distributed(_crash_step, world, name, device_type, timeout=180, port=port)
-        except AssertionError as failed:
+        except AssertionError as failed:  # the ranks failed or crashed: the probe's outcome
             outcome = _crash_message(str(failed))
         return outcome, time.time() - started
 
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        ran = list(pool.map(run, jobs, ports))
+    ran = []
+    for done in side_by_side([partial(run, world, name) for world, name in jobs]):
+        if isinstance(done, BaseException):  # the probe itself broke
+            raise done
+        ran.append(done)
     each = {f"{name} on {world}": round(s, 1) for (world, name), (_, s) in zip(jobs, ran, strict=True)}
     times = {"seconds": round(time.time() - started, 1), "spawns at once": len(jobs), "each": each}
     print(f"[gpu-suite] time crash probes: {times}")
