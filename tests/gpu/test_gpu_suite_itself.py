@@ -185,6 +185,9 @@ def test_the_summary_counts_each_file_and_names_each_failure_skip_probe_and_benc
     assert text.splitlines()[-1].startswith("gpu-check: exit 1; results in "), text
 
 
+ONE = "tests/gpu/test_gpu_one_process.py"
+
+
 def test_the_two_pytest_sides_merge_into_one_junit_and_a_side_without_results_is_a_failure(tmp_path: Path) -> None:
     """gpu-check.sh runs the one-process file in a pytest of its own beside the other files: one junit.xml for the
     summary, every side's files in it, and a side whose pytest wrote nothing (it crashed) counted as a failure."""
@@ -208,9 +211,6 @@ def test_the_two_pytest_sides_merge_into_one_junit_and_a_side_without_results_is
     ) in outcomes.failures, outcomes.failures
     with pytest.raises(ValueError):  # a side given without its exit status
         gpu_summary.main(["--merge-junit", str(target), str(tmp_path / "others.xml"), "tests/gpu/"])
-
-
-ONE = "tests/gpu/test_gpu_one_process.py"
 
 
 def test_the_summary_says_what_is_missing_rather_than_nothing(tmp_path: Path) -> None:
