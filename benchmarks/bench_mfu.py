@@ -57,6 +57,13 @@ benchmark that takes too long (``gpu-check.sh`` runs it and must stay under 5 mi
 
 ``--float8 tensorwise-bf16gather`` runs tensorwise with FSDP2's float8 all-gather off (weights gathered in bf16 and
 cast inside the compiled blocks): beside ``tensorwise`` on one GPU, what the float8 all-gather's eager casts cost.
+
+Each float8 recipe's ``[summary]`` lines include what it can gain on this model at the roofline
+(``_float8_roofline.py``: the converted layers' multiplies and casts from their shapes and the GPU's data sheet,
+the rest of the step as bf16 measured it), so that a ratio below the goal says whether the model could reach it.
+``--roofline GPU[:TOKENS_PER_S]`` prints the same for any model without a GPU and runs nothing:
+
+    python benchmarks/bench_mfu.py --roofline H200:65303 [--float8 tensorwise,rowwise --dim 4096 ...]
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
+from _float8_roofline import BANDWIDTH_EFFICIENCY, GEMM_EFFICIENCY, SPECS, converted_shapes, roofline, specs_for
 from _mfu_variants import (
     FLOAT8_SETTINGS,
     RESULT_PREFIX,
@@ -144,6 +152,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=FLOAT8_LOSS_RTOL,
         help=f"float8's per-step loss tolerance, relative to bf16's (default {FLOAT8_LOSS_RTOL:g}, docs/float8.md's)",
     )
+    p.add_argument(
+        "--roofline",
+        default=None,
+        metavar="GPU[:TOKENS_PER_S]",
+        help=f"run nothing: print what float8 can gain on this model on a GPU of {', '.join(SPECS)} (its recipes of"
+        " --float8, default tensorwise,rowwise); with bf16's measured tokens/s, the step's gain too",
+    )
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (all variants)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak, if not known here")
     p.add_argument("--ac", choices=("none", "selective", "full"), default="selective", help="activation checkpointing")
@@ -178,6 +193,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--float8 {args.float8!r}: unknown {wrong}; choose from {', '.join(FLOAT8_SETTINGS)} (a comma list)")
     if args.float8 is not None and args.sweep:
         p.error("--sweep runs modelpar alone over sizes; --float8 compares variants at one size: use one of them")
+    if args.roofline is not None:
+        tps = args.roofline.partition(":")[2]
+        try:
+            ok = not tps or float(tps) > 0
+        except ValueError:
+            ok = False
+        if not ok or not args.roofline.partition(":")[0]:
+            p.error(f"--roofline {args.roofline!r}: give a GPU's name and, after a colon, bf16's tokens/s: H200:65303")
     #: Whether the bf16 baseline runs only because float8 variants are compared with it (not asked for by name).
     args.baseline_added = False
     if not args.worker:
@@ -495,6 +518,12 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
         ratio = statistics.median(r.tokens_per_s or 0.0 for r in results) / base_tps if base_tps else 0.0
         goal = "" if emulated else f" (goal at least {FLOAT8_GOAL}x: {'met' if ratio >= FLOAT8_GOAL else 'NOT met'})"
         print(f"[summary]   {variant}: {_speed(results)}; {ratio:.3f}x bf16's tokens/s{goal}")
+        if not emulated:
+            try:
+                roof = roofline_line(args, variant.removeprefix("float8-"), first.device, base_tps)
+            except Exception as error:  # the measured lines around it matter more: print them all the same
+                roof = f"roofline: not computed ({type(error).__name__}: {error})"
+            print(f"[summary]     {roof}")
         curve = loss_curve(results, args.warmup)
         worst = largest_relative_difference(curve, base_curve)
         verdict = f"tolerance {args.loss_rtol * 100:g}%: {'within' if worst <= args.loss_rtol else 'OUTSIDE'}"
@@ -502,6 +531,42 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
             print(f"[summary]     loss {_ends(curve)}, within {worst:.2%} of bf16's at every timed step ({verdict})")
         else:
             print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict})")
+
+
+def roofline_line(args: argparse.Namespace, setting: str, device: str, bf16_tokens_per_s: float | None) -> str:
+    """What the float8 setting (a name of ``FLOAT8_SETTINGS``) can gain on this model on ``device`` at the roofline
+    (``_float8_roofline``): its converted layers and, given bf16's measured tokens/s, the step with the rest of it
+    as measured."""
+    specs = specs_for(device)
+    if specs is None:
+        return f"roofline: no specs for {device!r} (known: {', '.join(SPECS)})"
+    recipe = FLOAT8_SETTINGS[setting][0]
+    tokens = args.batch * args.seq
+    line = roofline(converted_shapes(config(args), recipe), tokens, recipe, specs, recompute=args.ac == "full")
+    text = (
+        f"roofline ({GEMM_EFFICIENCY:.0%} of peak, {BANDWIDTH_EFFICIENCY:.0%} of bandwidth): {line.layers} float8"
+        f" layers {line.linears_speedup:.2f}x"
+    )
+    if not bf16_tokens_per_s:
+        return text
+    step_s = tokens / bf16_tokens_per_s
+    return (
+        f"{text}, the step about {line.step_speedup(step_s):.2f}x (their bf16 multiplies"
+        f" {line.bf16_s * 1e3:.0f} ms of its {step_s * 1e3:.0f} ms)"
+    )
+
+
+def print_roofline(args: argparse.Namespace) -> None:
+    """``--roofline GPU[:TOKENS_PER_S]``: the roofline of each ``--float8`` setting on this model, running nothing."""
+    device, _, tps = args.roofline.partition(":")
+    settings = args.float8.split(",") if args.float8 else ["tensorwise", "rowwise"]
+    measured = f", bf16 measured at {float(tps):.0f} tokens/s" if tps else ""
+    print(
+        f"float8 on {device}: dim {args.dim}, {args.layers} layers, FFN {args.ffn}, batch {args.batch} x {args.seq}"
+        f"{measured}"
+    )
+    for setting in settings:
+        print(f"  float8-{setting}: {roofline_line(args, setting, device, float(tps) if tps else None)}")
 
 
 def _speed(results: list[RunResult]) -> str:
@@ -593,6 +658,9 @@ def end_worker() -> NoReturn:
 
 def main() -> None:
     args = parse()
+    if args.roofline is not None:
+        print_roofline(args)
+        return
     if args.check_float8:
         print(RESULT_PREFIX + json.dumps({"refusal": float8_refusal()}), flush=True)
         end_worker()

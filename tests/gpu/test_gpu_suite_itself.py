@@ -278,15 +278,19 @@ def test_the_float8_benchmarks_summary_lines_read_the_goal_and_the_tolerance(
     lines = "\n".join(line.strip() for line in printed.splitlines())
     assert "[summary] float8 vs bf16 on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, torchao 0.18.0, batch" in lines
     assert "float8-tensorwise: 75000 tokens/s (75000-75000), peak 27.5 GiB; 1.230x bf16's tokens/s" in lines, lines
-    assert "(goal at least 1.2x: met)\n[summary]     loss 9.090 -> 7.000, within 1.00% of bf16's" in lines, lines
+    assert "(goal at least 1.2x: met)\n[summary]     roofline (" in lines, lines  # what it could gain, next
+    assert "\n[summary]     loss 9.090 -> 7.000, within 1.00% of bf16's" in lines, lines
     assert "at every timed step (tolerance 2%: within)" in lines, lines
     # The warm-up step's 99.0 is left out; a loss that is not finite is never within the tolerance.
     assert "float8-rowwise: 66000 tokens/s" in lines and "(goal at least 1.2x: NOT met)" in lines, lines
     assert "loss 9.000 -> nan: a loss not finite or missing, its or bf16's (tolerance 2%: OUTSIDE)" in lines, lines
     assert "modelpar bf16: 61000 tokens/s (60000-62000), peak 30.0 GiB; loss 9.000 -> 7.000" in lines, lines
+    # What each recipe can gain on this model on an H100 (the roofline's own test checks its figures).
+    roof = "roofline (78% of peak, 92% of bandwidth): 112 float8 layers 1.54x, the step about 1.20x (their bf16"
+    assert lines.count(roof) == 2 and "multiplies 64 ms of its 134 ms)" in lines, lines
     (tmp_path / "bench_float8.txt").write_text(printed)
     shown = gpu_summary.bench_lines(tmp_path / "bench_float8.txt")
-    assert len(shown) == 6 and all(
+    assert len(shown) == 8 and all(
         line.startswith("  [summary]") and len(line) <= gpu_summary.WIDTH for line in shown
     ), shown
 
@@ -374,6 +378,56 @@ def test_a_crash_probes_record_names_the_rank_whose_call_failed_not_its_peers_ec
     assert torch_probe._crash_message(crashed) == "crashed: SIGSEGV (process exited with code -11)"
     timed_out = "1 of 2 ranks failed:\n--- rank -1 ---\ntimed out after 180s; ranks without a result: [1]\n"
     assert torch_probe._crash_message(timed_out) == "timed out after 180s; ranks without a result: [1]"
+
+
+def test_the_float8_roofline_counts_the_multiplies_and_casts_of_the_converted_layers_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``_float8_roofline`` (issue 29): what float8 can gain from the shapes alone. Checked against the figures
+    worked by hand for one 8192-cube layer, with and without full activation checkpointing; a 1024-wide layer loses (its casts cost more than its multiplies save,
+    as torchao's table has it); the step keeps what is not converted; the output layer is not counted; and
+    ``bench_mfu.py --roofline`` runs nothing and refuses a malformed argument."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _float8_roofline import SPECS, converted_shapes, roofline, specs_for
+
+    from modelpar.models import LlamaConfig
+
+    n, h100 = 8192, SPECS["H100"]
+    bf16 = 3 * 2 * n**3 / (989.4e12 * 0.78)  # three multiplies, each bound by arithmetic at this size
+    bandwidth = 3.35e12 * 0.92
+    cube = roofline([(n, n)], n, "tensorwise", h100)
+    # Bytes per element: the input and the output gradient 4 (one bf16 pass fused away, one left, two float8
+    # copies), the weight 6 (two bf16 passes, two copies).
+    assert cube.bf16_s == pytest.approx(bf16, rel=1e-9) and cube.float8_s == pytest.approx(bf16 / 2, rel=1e-4)
+    assert cube.casts_s == pytest.approx(n * n * (4 + 6 + 4) / bandwidth, rel=1e-9), cube
+    assert cube.linears_speedup == pytest.approx(1.750, abs=1e-3), cube
+    assert cube.step_speedup(2 * bf16) == pytest.approx(2 * bf16 / (bf16 + cube.float8_s + cube.casts_s)), cube
+    high = roofline([(n, n)], n, "rowwise_with_gw_hp", h100)  # the weight gradient's multiply stays in bf16
+    assert high.float8_s == pytest.approx(bf16 / 3 + bf16 / 3, rel=1e-4), high
+    assert high.casts_s == pytest.approx(n * n * (1 + 6 + 1) / bandwidth, rel=1e-9), high
+    assert roofline([(1024, 1024)], 1024, "tensorwise", h100).linears_speedup < 1.0
+    # Full activation checkpointing: the forward multiply once more, the input cast again (1 byte: its pass fused)
+    # and the weight's (tensorwise: its maximum and its cast, 4 bytes, and a copy).
+    again = roofline([(n, n)], n, "tensorwise", h100, recompute=True)
+    assert again.bf16_s == pytest.approx(bf16 * 4 / 3, rel=1e-9), again
+    assert again.casts_s == pytest.approx(n * n * (4 + 6 + 4 + 1 + 5) / bandwidth, rel=1e-9), again
+
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
+    shapes = converted_shapes(cfg, "rowwise")
+    assert len(shapes) == 7 * 2 and all(256 not in shape for shape in shapes), shapes  # no output layer
+    assert sorted(set(shapes)) == [(64, 32), (64, 64), (64, 128), (128, 64)], shapes
+    assert specs_for("NVIDIA H100 80GB HBM3") is h100 and specs_for("NVIDIA GH200 480GB") is SPECS["GH200"]
+    assert specs_for("NVIDIA A100-SXM4-80GB") is None
+
+    bench_mfu.print_roofline(bench_mfu.parse(["--roofline", "A100", "--float8", "rowwise"]))
+    assert (
+        "float8-rowwise: roofline: no specs for 'A100' (known: H100, H800, H200, GH200, B200)"
+        in capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit):
+        bench_mfu.parse(["--roofline", "H200:fast"])
+    assert "give a GPU's name and, after a colon, bf16's tokens/s: H200:65303" in capsys.readouterr().err
 
 
 def test_the_benchmark_runs_tensorwise_with_and_without_the_float8_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
