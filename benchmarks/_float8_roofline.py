@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from _mfu_variants import for_device
 from torch import nn
 
 from modelpar.float8 import Float8Training, float8_layers
@@ -60,8 +61,8 @@ class GpuSpecs:
     bandwidth_tb_s: float
 
 
-#: By a fragment of ``torch.cuda.get_device_name()``, the longest matching first (as ``PEAKS_TFLOPS``): NVIDIA's
-#: data sheets for the SXM parts. GPUs without float8 multiplies (A100) have none: float8 does not run there.
+#: By a fragment of ``torch.cuda.get_device_name()``, the longest matching first (``_mfu_variants.for_device``):
+#: NVIDIA's data sheets for the SXM parts. GPUs without float8 multiplies (A100) have none: float8 does not run there.
 SPECS = {
     "H100": GpuSpecs(989.4, 1978.9, 3.35),
     "H800": GpuSpecs(989.4, 1978.9, 3.35),
@@ -119,10 +120,7 @@ class Roofline:
 
 def specs_for(device_name: str) -> GpuSpecs | None:
     """The specs of the GPU so named, or ``None`` for one :data:`SPECS` does not know."""
-    for key, specs in sorted(SPECS.items(), key=lambda kv: -len(kv[0])):
-        if key in device_name:
-            return specs
-    return None
+    return for_device(SPECS, device_name)
 
 
 def converted_shapes(cfg: LlamaConfig, recipe: str) -> list[tuple[int, int]]:

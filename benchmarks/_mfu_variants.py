@@ -37,10 +37,10 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,8 @@ from modelpar.models import Llama, LlamaConfig
 #: CUDA when there is a GPU; on a machine without one the benchmark runs on the CPU as a smoke check of its own
 #: code (tiny sizes, --no-compile, --peak-tflops given): its figures then mean nothing.
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+T = TypeVar("T")
 
 #: Dense bf16 peak (TFLOP/s, no sparsity) by device name; pass --peak-tflops for others.
 PEAKS_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "B200": 2250.0, "A100": 312.0}
@@ -124,10 +126,19 @@ def peak_flops(args: argparse.Namespace) -> float:
     if args.peak_tflops:
         return float(args.peak_tflops) * 1e12
     name = device_name()
-    for key, tflops in sorted(PEAKS_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+    tflops = for_device(PEAKS_TFLOPS, name)
+    if tflops is None:
+        raise SystemExit(f"unknown dense bf16 peak for {name!r}: pass --peak-tflops")
+    return tflops * 1e12
+
+
+def for_device(table: Mapping[str, T], name: str) -> T | None:
+    """The entry of ``table`` (keyed by fragments of device names) for the device so named, the longest fragment
+    that matches first (``GH200`` before ``H200``), or ``None``."""
+    for key, value in sorted(table.items(), key=lambda kv: -len(kv[0])):
         if key in name:
-            return tflops * 1e12
-    raise SystemExit(f"unknown dense bf16 peak for {name!r}: pass --peak-tflops")
+            return value
+    return None
 
 
 def device_name() -> str:
