@@ -46,7 +46,7 @@ __all__ = [
     "RECOMPUTE_PASSES",
     "GpuSpecs",
     "Roofline",
-    "converted_shapes",
+    "layer_shapes",
     "roofline",
     "specs_for",
 ]
@@ -107,6 +107,8 @@ class Roofline:
     bf16_s: float
     float8_s: float
     casts_s: float
+    #: The multiplies of the layers kept in high precision (the output layer), the same in bf16 and float8 training.
+    kept_s: float = 0.0
 
     @property
     def linears_speedup(self) -> float:
@@ -123,14 +125,16 @@ def specs_for(device_name: str) -> GpuSpecs | None:
     return for_device(SPECS, device_name)
 
 
-def converted_shapes(cfg: LlamaConfig, recipe: str) -> list[tuple[int, int]]:
-    """``(in_features, out_features)`` of each linear layer the float8 plan converts in ``modelpar.models.Llama``:
-    modelpar's own choice (:func:`modelpar.float8.float8_layers`; the output layer stays in high precision)."""
+def layer_shapes(cfg: LlamaConfig, recipe: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(in_features, out_features)`` of the linear layers of ``modelpar.models.Llama`` that the float8 plan
+    converts, and of those it keeps in high precision (the output layer): modelpar's own choice
+    (:func:`modelpar.float8.float8_layers`)."""
     with torch.device("meta"):
         model = Llama(cfg)
-    chosen, _ = float8_layers(model, Float8Training(recipe))  # type: ignore[arg-type]
+    chosen, kept = float8_layers(model, Float8Training(recipe))  # type: ignore[arg-type]
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    return [(linears[name].in_features, linears[name].out_features) for name in chosen]
+    converted = [(linears[name].in_features, linears[name].out_features) for name in chosen]
+    return converted, [(m.in_features, m.out_features) for name, m in linears.items() if name in kept]
 
 
 def _multiply_s(m: int, k: int, n: int, specs: GpuSpecs, operand_bytes: int) -> float:
@@ -151,10 +155,20 @@ def _cast_bytes(passes: dict[str, tuple[int, int]], elements: dict[str, int]) ->
 
 
 def roofline(
-    shapes: Iterable[tuple[int, int]], tokens: int, recipe: str, specs: GpuSpecs, *, recompute: bool = False
+    shapes: Iterable[tuple[int, int]],
+    tokens: int,
+    recipe: str,
+    specs: GpuSpecs,
+    *,
+    kept: Iterable[tuple[int, int]] = (),
+    recompute: bool = False,
 ) -> Roofline:
-    """The roofline of layers of these ``(in_features, out_features)`` with ``tokens`` tokens a step; with
-    ``recompute`` (full activation checkpointing), each layer's forward twice (:data:`RECOMPUTE_PASSES`)."""
+    """The roofline of converted layers of these ``(in_features, out_features)`` with ``tokens`` tokens a step, and
+    of the ``kept`` ones' bf16 multiplies; with ``recompute`` (full activation checkpointing), each converted
+    layer's forward twice (:data:`RECOMPUTE_PASSES`; the output layer is outside the checkpointed blocks)."""
+    kept_s = sum(
+        _multiply_s(*mkn, specs, _BF16) for k, n in kept for mkn in ((tokens, k, n), (tokens, n, k), (k, tokens, n))
+    )
     bf16_s = float8_s = casts_s = 0.0
     layers = 0
     bandwidth = specs.bandwidth_tb_s * 1e12 * BANDWIDTH_EFFICIENCY
@@ -171,4 +185,4 @@ def roofline(
             bf16_s += _multiply_s(*forward, specs, _BF16)
             float8_s += _multiply_s(*forward, specs, _FLOAT8)
             casts_s += _cast_bytes(RECOMPUTE_PASSES[recipe], elements) / bandwidth
-    return Roofline(recipe, layers, bf16_s, float8_s, casts_s)
+    return Roofline(recipe, layers, bf16_s, float8_s, casts_s, kept_s)

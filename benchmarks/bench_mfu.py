@@ -81,7 +81,16 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-from _float8_roofline import BANDWIDTH_EFFICIENCY, GEMM_EFFICIENCY, SPECS, converted_shapes, roofline, specs_for
+from _float8_roofline import (
+    BANDWIDTH_EFFICIENCY,
+    GEMM_EFFICIENCY,
+    SPECS,
+    GpuSpecs,
+    Roofline,
+    layer_shapes,
+    roofline,
+    specs_for,
+)
 from _mfu_variants import (
     FLOAT8_SETTINGS,
     RESULT_PREFIX,
@@ -452,6 +461,10 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
     if args.data != "uniform":
         print(f"data: --data {args.data} (the same batches in every run)")
     report_profiles(runs)
+    try:
+        report_profile_roofline(args, runs)
+    except Exception as error:  # the float8 summary printed after it matters more: print it all the same
+        print(f"(profile against the roofline not computed: {type(error).__name__}: {error})")
 
 
 def report_profiles(runs: dict[str, list[RunResult]]) -> None:
@@ -533,6 +546,63 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
             print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict})")
 
 
+def model_roofline(args: argparse.Namespace, setting: str, specs: GpuSpecs) -> Roofline:
+    """The roofline of the float8 setting (a name of ``FLOAT8_SETTINGS``) on this run's model, batch and ``--ac``."""
+    recipe = FLOAT8_SETTINGS[setting][0]
+    converted, kept = layer_shapes(config(args), recipe)
+    return roofline(converted, args.batch * args.seq, recipe, specs, kept=kept, recompute=args.ac == "full")
+
+
+def report_profile_roofline(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> None:
+    """``--profile`` with float8 variants on a GPU the roofline knows: each variant's profiled multiplies against
+    their roofline, and the rest of its kernels against bf16's, beside the casts' roofline.
+
+    It says where float8's gain went: multiplies far over their roofline point at the kernels (or shapes they run
+    badly); a rest far over bf16's by more than the casts' roofline points at the casts and what runs around them
+    (unfused kernels, eager code). "the rest" is every kernel but the multiplies and attention (norms, activations,
+    casts, the optimizer, copies); on a GPU ``busy`` well under ``step`` means the device waited on the host.
+    """
+    profiled = {v: rs[0] for v, rs in runs.items() if rs and rs[0].profile_ms}
+    float8 = [v for v in profiled if v.startswith("float8-")]
+    if not float8 or BF16_BASELINE not in profiled or any(profiled[v].emulated for v in float8):
+        return
+    device = profiled[BF16_BASELINE].device
+    specs = specs_for(device)
+    if specs is None:
+        print(f"(no roofline beside the profile: no specs for {device!r}; known: {', '.join(SPECS)})")
+        return
+
+    def multiplies(ms: dict[str, float]) -> float:
+        return ms.get("float8 matmul", 0.0) + ms.get("matmul", 0.0)
+
+    def rest(ms: dict[str, float]) -> float:
+        return ms["busy"] - multiplies(ms) - ms.get("attention", 0.0)
+
+    base = profiled[BF16_BASELINE].profile_ms or {}
+    print(
+        f"\nprofile against the roofline ({device}: {GEMM_EFFICIENCY:.0%} of peak, {BANDWIDTH_EFFICIENCY:.0%} of"
+        " bandwidth), ms per step: the multiplies (float8 and bf16 kernels, the output layer's included) measured"
+        " and at the roofline; the rest (all kernels but multiplies and attention) and what it adds over bf16's,"
+        " beside the casts' roofline"
+    )
+    columns = ("step", "busy", "multiplies", "roofline", "measured / roofline", "attention", "the rest", "over bf16")
+    print("| variant | " + " | ".join(columns) + " | casts' roofline |")
+    print("|---|" + "---|" * (len(columns) + 1))
+    rows = [(BF16_BASELINE, None), *((v, model_roofline(args, v.removeprefix("float8-"), specs)) for v in float8)]
+    bf16_roof = model_roofline(args, float8[0].removeprefix("float8-"), specs)
+    for variant, line in rows:
+        ms = profiled[variant].profile_ms or {}
+        ideal = (bf16_roof.bf16_s + bf16_roof.kept_s) if line is None else (line.float8_s + line.kept_s)
+        ideal_ms = ideal * 1e3
+        over = "" if line is None else f"{rest(ms) - rest(base):+.2f}"
+        casts = "" if line is None else f"{line.casts_s * 1e3:.2f}"
+        cells = (ms["step"], ms["busy"], multiplies(ms), ideal_ms)
+        print(
+            f"| {variant} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {multiplies(ms) / ideal_ms:.2f}x"
+            f" | {ms.get('attention', 0.0):.2f} | {rest(ms):.2f} | {over} | {casts} |"
+        )
+
+
 def roofline_line(args: argparse.Namespace, setting: str, device: str, bf16_tokens_per_s: float | None) -> str:
     """What the float8 setting (a name of ``FLOAT8_SETTINGS``) can gain on this model on ``device`` at the roofline
     (``_float8_roofline``): its converted layers and, given bf16's measured tokens/s, the step with the rest of it
@@ -540,9 +610,8 @@ def roofline_line(args: argparse.Namespace, setting: str, device: str, bf16_toke
     specs = specs_for(device)
     if specs is None:
         return f"roofline: no specs for {device!r} (known: {', '.join(SPECS)})"
-    recipe = FLOAT8_SETTINGS[setting][0]
+    line = model_roofline(args, setting, specs)
     tokens = args.batch * args.seq
-    line = roofline(converted_shapes(config(args), recipe), tokens, recipe, specs, recompute=args.ac == "full")
     text = (
         f"roofline ({GEMM_EFFICIENCY:.0%} of peak, {BANDWIDTH_EFFICIENCY:.0%} of bandwidth): {line.layers} float8"
         f" layers {line.linears_speedup:.2f}x"

@@ -364,6 +364,41 @@ def test_the_benchmarks_profile_sorts_kernels_by_kind(
     assert "communication" not in printed.split("| variant |")[1], printed  # no run spent time there
 
 
+def test_the_benchmarks_profile_sets_each_variants_multiplies_against_their_roofline(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--profile`` with float8 on an H200: the multiplies (both kinds, the output layer's included) against the
+    roofline of the same layers, and what the rest of float8's kernels add over bf16's beside the casts' roofline.
+    The 1.07B model's roofline, worked by hand: bf16 64.11 ms for the 112 converted layers plus 4.17 ms for the
+    output layer (3 x 2 x 8192 x 2048 x 32000 FLOPs at 78% of 989.4 TFLOP/s); float8 32.05 + 4.17 ms."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RunResult
+
+    args = bench_mfu.parse(["--profile", "2", "--variants", "modelpar,float8-tensorwise"])
+
+    def run(variant: str, ms: dict[str, float], device: str = "NVIDIA H200", emulated: bool = False) -> RunResult:
+        result = RunResult(variant, 4, 2048, device, "2.11.0+cu130", 989.4, 60000.0, emulated=emulated)
+        result.profile_ms = {"step": 125.0, "busy": sum(ms.values()), **ms}
+        return result
+
+    kinds = {"float8 matmul": 0.0, "attention": 9.0, "matmul": 80.0, "Triton (compiled)": 20.0}
+    float8 = {**kinds, "float8 matmul": 50.0, "matmul": 6.0, "Triton (compiled)": 32.0}
+    runs = {"modelpar": [run("modelpar", kinds)], "float8-tensorwise": [run("float8-tensorwise", float8)]}
+    bench_mfu.report_profile_roofline(args, runs)
+    printed = capsys.readouterr().out
+    assert "| modelpar | 125.00 | 109.00 | 80.00 | 68.29 | 1.17x | 9.00 | 20.00 |  |  |" in printed, printed
+    assert "| float8-tensorwise | 125.00 | 97.00 | 56.00 | 36.23 | 1.55x | 9.00 | 32.00 | +12.00 | 6.72 |" in printed
+    # Nothing to set against: emulated float8 (the CPU smoke check), or no float8 variant profiled.
+    emulated = {**runs, "float8-tensorwise": [run("float8-tensorwise", float8, emulated=True)]}
+    bench_mfu.report_profile_roofline(args, emulated)
+    bench_mfu.report_profile_roofline(args, {"modelpar": runs["modelpar"]})
+    assert capsys.readouterr().out == ""
+    unknown = {v: [run(v, kinds, device="NVIDIA A100-SXM4-80GB")] for v in runs}
+    bench_mfu.report_profile_roofline(args, unknown)
+    assert "no specs for 'NVIDIA A100-SXM4-80GB'" in capsys.readouterr().out
+
+
 def test_a_crash_probes_record_names_the_rank_whose_call_failed_not_its_peers_echo() -> None:
     """On an H200, ``batch_isend_irecv`` failed on one rank (``writev``: a device pointer handed to a socket) and its
     peer saw only "Connection closed by peer": the record keeps the cause, a crash first, each distinct error once."""
@@ -389,7 +424,7 @@ def test_the_float8_roofline_counts_the_multiplies_and_casts_of_the_converted_la
     ``bench_mfu.py --roofline`` runs nothing and refuses a malformed argument."""
     monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
     import bench_mfu
-    from _float8_roofline import SPECS, converted_shapes, roofline, specs_for
+    from _float8_roofline import SPECS, layer_shapes, roofline, specs_for
 
     from modelpar.models import LlamaConfig
 
@@ -414,8 +449,9 @@ def test_the_float8_roofline_counts_the_multiplies_and_casts_of_the_converted_la
     assert again.casts_s == pytest.approx(n * n * (4 + 6 + 4 + 1 + 5) / bandwidth, rel=1e-9), again
 
     cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
-    shapes = converted_shapes(cfg, "rowwise")
-    assert len(shapes) == 7 * 2 and all(256 not in shape for shape in shapes), shapes  # no output layer
+    shapes, kept = layer_shapes(cfg, "rowwise")
+    assert len(shapes) == 7 * 2 and all(256 not in shape for shape in shapes), shapes
+    assert kept == [(64, 256)], kept  # the output layer, in high precision
     assert sorted(set(shapes)) == [(64, 32), (64, 64), (64, 128), (128, 64)], shapes
     assert specs_for("NVIDIA H100 80GB HBM3") is h100 and specs_for("NVIDIA GH200 480GB") is SPECS["GH200"]
     assert specs_for("NVIDIA A100-SXM4-80GB") is None
