@@ -23,7 +23,9 @@ selective checkpointing (modelpar's policy) saves the multiplies' outputs, so th
 Everything else in the step (attention, norms, the output layer, the optimizer) is taken as measured in bf16:
 :meth:`Roofline.step_speedup` replaces the converted layers' bf16 time by their float8 time in the measured bf16
 step. The casts are a best case; the step is an estimate, not a bound: a bf16 multiply slower than its roofline
-leaves more to gain, a float8 one slower than its roofline less.
+leaves more to gain, a float8 one slower than its roofline less. The layers kept in high precision (the output
+layer) have their bf16 multiplies counted apart (``Roofline.kept_s``), so that ``bench_mfu.py --profile`` can set
+all of a run's measured multiplies against their roofline.
 """
 
 from __future__ import annotations
