@@ -399,6 +399,30 @@ def test_the_benchmarks_profile_sets_each_variants_multiplies_against_their_roof
     assert "no specs for 'NVIDIA A100-SXM4-80GB'" in capsys.readouterr().out
 
 
+def test_the_float8_multiply_benchmark_times_each_layers_three_multiplies_and_checks_their_products(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench_float8_gemm.py`` (issue 29; on the CPU, its smoke check): a row per converted shape and multiply,
+    the step's sum over the layers, and every product compared with its float32 one, so a wrong layout or float8
+    type is reported instead of timed."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_float8_gemm as gemm
+
+    tiny = ["--dim", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--layers", "2", "--vocab", "256"]
+    step = gemm.main([*tiny, "--tokens", "32", "--iters", "1", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| 64 x") or line.startswith("| 128 x")]
+    # Shapes: q and o 64 x 64, k and v 64 x 32, w1 and w3 64 x 128, w2 128 x 64; each in three multiplies.
+    assert len(rows) == 4 * 3 and "| 64 x 32 | 4 | input gradient |" in printed, printed
+    assert "step (14 float8 layers, three multiplies each): bf16" in printed, printed
+    assert "every product within 0.01 of its float32 one" in printed, printed
+    assert set(step) == {"bf16", "tensorwise", "rowwise"} and all(ms > 0 for ms in step.values()), step
+    # The comparison catches a product that is not the one meant: here, the second operand read the wrong way.
+    call, reference = gemm.operands("tensorwise", "input gradient", 32, 64, 48)
+    assert gemm.product_error(call, reference) < gemm.PRODUCT_RTOL
+    assert gemm.product_error(call, reference.flip(0)) > gemm.PRODUCT_RTOL
+
+
 def test_a_crash_probes_record_names_the_rank_whose_call_failed_not_its_peers_echo() -> None:
     """On an H200, ``batch_isend_irecv`` failed on one rank (``writev``: a device pointer handed to a socket) and its
     peer saw only "Connection closed by peer": the record keeps the cause, a crash first, each distinct error once."""
