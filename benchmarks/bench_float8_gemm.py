@@ -34,8 +34,7 @@ from collections.abc import Callable
 
 import torch
 from _float8_roofline import BF16_BYTES, FLOAT8_BYTES, GEMM_EFFICIENCY, layer_shapes, multiply_s, specs_for
-
-from modelpar.models import LlamaConfig
+from _mfu_variants import config
 
 #: Where it runs: the GPU when there is one, else the CPU (the smoke check).
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -68,16 +67,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def converted_layers(args: argparse.Namespace) -> Counter[tuple[int, int]]:
     """How many of the model's float8 layers have each ``(in_features, out_features)``: modelpar's own choice, the
     output layer left out (``_float8_roofline.layer_shapes``)."""
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn,
-        max_seq_len=args.tokens,
-    )
-    return Counter(layer_shapes(cfg, "tensorwise")[0])
+    return Counter(layer_shapes(config(args, seq=args.tokens), "tensorwise")[0])
 
 
 def operands(kind: str, role: str, rows: int, inner: int, cols: int) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
