@@ -46,12 +46,9 @@ __all__ = [
     "GEMM_EFFICIENCY",
     "SPECS",
     "RECOMPUTE_PASSES",
-    "BF16_BYTES",
-    "FLOAT8_BYTES",
     "GpuSpecs",
     "Roofline",
     "layer_shapes",
-    "multiply_s",
     "roofline",
     "specs_for",
 ]
@@ -99,8 +96,7 @@ RECOMPUTE_PASSES: dict[str, dict[str, tuple[int, int]]] = {
     "rowwise_with_gw_hp": {"input": (1, 1), "weight": (1, 1)},
 }
 
-#: Bytes per element of a bf16 and a float8 operand.
-BF16_BYTES, FLOAT8_BYTES = 2, 1
+_BF16, _FLOAT8 = 2, 1  # bytes per element
 
 
 @dataclass(frozen=True)
@@ -143,11 +139,11 @@ def layer_shapes(cfg: LlamaConfig, recipe: str) -> tuple[list[tuple[int, int]], 
     return converted, [(m.in_features, m.out_features) for name, m in linears.items() if name in kept]
 
 
-def multiply_s(m: int, k: int, n: int, specs: GpuSpecs, operand_bytes: int) -> float:
+def _multiply_s(m: int, k: int, n: int, specs: GpuSpecs, operand_bytes: int) -> float:
     """One multiply of ``m x k`` by ``k x n``: the longer of its arithmetic and its memory traffic (bf16 result)."""
-    tflops = specs.float8_tflops if operand_bytes == FLOAT8_BYTES else specs.bf16_tflops
+    tflops = specs.float8_tflops if operand_bytes == _FLOAT8 else specs.bf16_tflops
     arithmetic = 2 * m * k * n / (tflops * 1e12 * GEMM_EFFICIENCY)
-    moved = (m * k + k * n) * operand_bytes + m * n * BF16_BYTES
+    moved = (m * k + k * n) * operand_bytes + m * n * _BF16
     traffic = moved / (specs.bandwidth_tb_s * 1e12 * BANDWIDTH_EFFICIENCY)
     return max(arithmetic, traffic)
 
@@ -157,7 +153,7 @@ def _cast_bytes(passes: dict[str, tuple[int, int]], elements: dict[str, int]) ->
     moved = 0
     for role, (reads, copies) in passes.items():
         fused = 1 if role != "weight" else 0  # an activation's first pass rides in the kernel that made it
-        moved += elements[role] * ((reads - fused) * BF16_BYTES + copies * FLOAT8_BYTES)
+        moved += elements[role] * ((reads - fused) * _BF16 + copies * _FLOAT8)
     return moved
 
 
@@ -174,7 +170,7 @@ def roofline(
     of the ``kept`` ones' bf16 multiplies; with ``recompute`` (full activation checkpointing), each converted
     layer's forward twice (:data:`RECOMPUTE_PASSES`; the output layer is outside the checkpointed blocks)."""
     kept_s = sum(
-        multiply_s(*mkn, specs, BF16_BYTES) for k, n in kept for mkn in ((tokens, k, n), (tokens, n, k), (k, tokens, n))
+        _multiply_s(*mkn, specs, _BF16) for k, n in kept for mkn in ((tokens, k, n), (tokens, n, k), (k, tokens, n))
     )
     bf16_s = float8_s = casts_s = 0.0
     layers = 0
@@ -183,13 +179,13 @@ def roofline(
         layers += 1
         m = tokens
         forward, input_gradient, weight_gradient = (m, k, n), (m, n, k), (k, m, n)
-        bf16_s += sum(multiply_s(*mkn, specs, BF16_BYTES) for mkn in (forward, input_gradient, weight_gradient))
-        float8_s += multiply_s(*forward, specs, FLOAT8_BYTES) + multiply_s(*input_gradient, specs, FLOAT8_BYTES)
-        float8_s += multiply_s(*weight_gradient, specs, BF16_BYTES if recipe == "rowwise_with_gw_hp" else FLOAT8_BYTES)
+        bf16_s += sum(_multiply_s(*mkn, specs, _BF16) for mkn in (forward, input_gradient, weight_gradient))
+        float8_s += _multiply_s(*forward, specs, _FLOAT8) + _multiply_s(*input_gradient, specs, _FLOAT8)
+        float8_s += _multiply_s(*weight_gradient, specs, _BF16 if recipe == "rowwise_with_gw_hp" else _FLOAT8)
         elements = {"input": m * k, "weight": k * n, "grad_output": m * n}
         casts_s += _cast_bytes(CAST_PASSES[recipe], elements) / bandwidth
         if recompute:
-            bf16_s += multiply_s(*forward, specs, BF16_BYTES)
-            float8_s += multiply_s(*forward, specs, FLOAT8_BYTES)
+            bf16_s += _multiply_s(*forward, specs, _BF16)
+            float8_s += _multiply_s(*forward, specs, _FLOAT8)
             casts_s += _cast_bytes(RECOMPUTE_PASSES[recipe], elements) / bandwidth
     return Roofline(recipe, layers, bf16_s, float8_s, casts_s, kept_s)

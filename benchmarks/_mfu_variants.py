@@ -110,6 +110,17 @@ class Timing:
     profile_ms: dict[str, float] | None = None
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's flags, which :func:`config` reads (default: the ~1.1B-parameter Llama of ``bench_mfu.py``): one
+    place for every benchmark that sizes that model (``bench_mfu.py``, ``bench_float8_gemm.py``)."""
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=32000)
+
+
 def config(args: argparse.Namespace, seq: int | None = None) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=args.vocab,

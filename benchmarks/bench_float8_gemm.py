@@ -33,8 +33,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from _float8_roofline import BF16_BYTES, FLOAT8_BYTES, GEMM_EFFICIENCY, layer_shapes, multiply_s, specs_for
-from _mfu_variants import config
+from _float8_roofline import GEMM_EFFICIENCY, layer_shapes, roofline, specs_for
+from _mfu_variants import add_model_arguments, config
 
 #: Where it runs: the GPU when there is one, else the CPU (the smoke check).
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -52,12 +52,7 @@ ROLES: dict[str, tuple[Callable[[int, int, int], tuple[int, int, int]], bool]] =
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=8192)
-    p.add_argument("--layers", type=int, default=16, help="the model's layers (bench_mfu.py's --layers)")
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(p)  # bench_mfu.py's model flags
     p.add_argument("--tokens", type=int, default=8192, help="tokens a step (bench_mfu.py's batch x seq: 4 x 2048)")
     p.add_argument("--iters", type=int, default=20, help="calls timed together")
     p.add_argument("--repeats", type=int, default=5, help="timings of --iters calls; their median is reported")
@@ -147,7 +142,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print("|---|---|---|---|---|---|---|---|")
     step = dict.fromkeys(KINDS, 0.0)
     wrong: list[str] = []  # products not the ones meant: their timings mean nothing
-    roof = {"bf16": 0.0, "float8": 0.0}
     for (k, n), count in layers.items():
         for role, (dims, _) in ROLES.items():
             rows, inner, cols = dims(m, k, n)
@@ -160,9 +154,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             wrong += [f"{kind} {role} {k} x {n}: {e:.1e}" for kind, e in errors.items() if not e < PRODUCT_RTOL]
             for kind in KINDS:
                 step[kind] += ms[kind] * count
-            if specs is not None:
-                roof["bf16"] += multiply_s(rows, inner, cols, specs, BF16_BYTES) * 1e3 * count
-                roof["float8"] += multiply_s(rows, inner, cols, specs, FLOAT8_BYTES) * 1e3 * count
             tflops = " / ".join(f"{2 * rows * inner * cols / (ms[kind] * 1e9):.0f}" for kind in KINDS)
             print(
                 f"| {k} x {n} | {count} | {role} | {ms['bf16']:.3f} | {ms['tensorwise']:.3f} | {ms['rowwise']:.3f}"
@@ -173,7 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f" {step['tensorwise']:.2f} ms ({step['bf16'] / step['tensorwise']:.2f}x), rowwise {step['rowwise']:.2f} ms"
         f" ({step['bf16'] / step['rowwise']:.2f}x)"
     )
-    if specs is not None:
+    if specs is not None:  # every multiply in float8 under both recipes
+        line = roofline(list(layers.elements()), m, "tensorwise", specs)
+        roof = {"bf16": line.bf16_s * 1e3, "float8": line.float8_s * 1e3}
         print(
             f"roofline ({GEMM_EFFICIENCY:.0%} of the data sheet's dense peak): bf16 {roof['bf16']:.2f} ms, float8"
             f" {roof['float8']:.2f} ms; measured / roofline: bf16 {step['bf16'] / roof['bf16']:.2f}x, tensorwise"

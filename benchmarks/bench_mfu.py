@@ -96,6 +96,7 @@ from _mfu_variants import (
     RESULT_PREFIX,
     RUNNERS,
     RunResult,
+    add_model_arguments,
     config,
     float8_refusal,
     float8_variant,
@@ -127,12 +128,7 @@ AC_STORES = {
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(p)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
@@ -588,9 +584,9 @@ def report_profile_roofline(args: argparse.Namespace, runs: dict[str, list[RunRe
     columns = ("step", "busy", "multiplies", "roofline", "measured / roofline", "attention", "the rest", "over bf16")
     print("| variant | " + " | ".join(columns) + " | casts' roofline |")
     print("|---|" + "---|" * (len(columns) + 1))
-    rows = [(BF16_BASELINE, None), *((v, model_roofline(args, v.removeprefix("float8-"), specs)) for v in float8)]
-    bf16_roof = model_roofline(args, float8[0].removeprefix("float8-"), specs)
-    for variant, line in rows:
+    roofs = {v: model_roofline(args, v.removeprefix("float8-"), specs) for v in float8}
+    bf16_roof = roofs[float8[0]]  # its bf16 multiplies: the same whatever the recipe
+    for variant, line in [(BF16_BASELINE, None), *roofs.items()]:
         ms = profiled[variant].profile_ms or {}
         ideal = (bf16_roof.bf16_s + bf16_roof.kept_s) if line is None else (line.float8_s + line.kept_s)
         ideal_ms = ideal * 1e3
