@@ -20,6 +20,11 @@ The variants train the same model on the same data with the same FSDP2 bf16 poli
   gathered in bf16 and cast inside the compiled blocks. On one GPU there is nothing to gather, and torchtitan turns
   the float8 all-gather on only when FSDP shards over more than one rank; beside ``float8-tensorwise`` it shows what
   the float8 all-gather's casts in FSDP2's eager hooks cost there (:data:`FLOAT8_SETTINGS`).
+* ``torch-float8-<setting>`` (each of :data:`FLOAT8_SETTINGS`): the ``torch`` variant with torchao's float8
+  training applied by hand, as torchao's documentation and torchtitan apply it (no modelpar): the same recipe and
+  float8 all-gather as ``float8-<setting>``, the scales recomputed after each optimizer step. Measured against
+  ``torch`` in bf16, and set beside ``float8-<setting>``, it tells what float8 gains without modelpar, and what
+  modelpar's way of applying it costs (``bench_mfu.py --by-hand``).
 
 Every step's loss comes back too (read after the timed steps, so that reading it costs no synchronization inside
 them): ``--float8`` compares float8's loss curve with bf16's.
@@ -38,7 +43,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -176,8 +181,27 @@ def plan(args: argparse.Namespace, float8: str | None = None) -> Any:
     return LLAMA_PLAN.replace(activation_checkpointing=args.ac, compile=not args.no_compile, float8=spec)
 
 
-def float8_variant(recipe: str) -> str:
-    return f"float8-{recipe}"
+#: The prefixes of the float8 variants: modelpar's plan (``float8-<setting>``) and torch's by hand.
+FLOAT8_PREFIX, BY_HAND_FLOAT8_PREFIX = "float8-", "torch-float8-"
+
+
+def float8_variant(setting: str, *, by_hand: bool = False) -> str:
+    """The variant training with the float8 setting (a name of :data:`FLOAT8_SETTINGS`): modelpar's, or by hand."""
+    return f"{BY_HAND_FLOAT8_PREFIX if by_hand else FLOAT8_PREFIX}{setting}"
+
+
+def float8_setting(variant: str) -> str | None:
+    """The float8 setting ``variant`` trains with, or ``None`` for a bf16 variant."""
+    for prefix in (FLOAT8_PREFIX, BY_HAND_FLOAT8_PREFIX):
+        if variant.startswith(prefix):
+            return variant.removeprefix(prefix)
+    return None
+
+
+def bf16_baseline(variant: str) -> str:
+    """The bf16 variant a float8 variant is measured against: the same code without float8 (``modelpar`` for
+    ``float8-<setting>``, ``torch`` for ``torch-float8-<setting>``), so that the ratio is float8's alone."""
+    return "torch" if variant.startswith(BY_HAND_FLOAT8_PREFIX) else "modelpar"
 
 
 def batches(cfg: LlamaConfig, args: argparse.Namespace, n: int) -> list[Batch]:
@@ -371,19 +395,29 @@ def checkpointed(forward: Callable[..., Any], context_fn: Callable[[], Any] | No
     return run
 
 
-def run_torch(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace, *, as_partial: bool = False) -> Timing:
+def run_torch(
+    cfg: LlamaConfig,
+    data: list[Batch],
+    args: argparse.Namespace,
+    *,
+    as_partial: bool = False,
+    float8: str | None = None,
+) -> Timing:
     """The same model, checkpointing, compile and bf16 policy by hand with torch's public APIs (no modelpar).
 
-    torchtitan's order: checkpointing, then ``compile`` per block, then ``fully_shard`` bottom-up, so FSDP's hooks
-    stay outside the compiled and recomputed region. ``as_partial``: bind ``checkpoint`` with ``functools.partial``
-    instead of :func:`checkpointed` (the pre-2026-11-26 baseline, which compiles nothing under checkpointing).
+    torchtitan's order: float8, then checkpointing, then ``compile`` per block, then ``fully_shard`` bottom-up, so
+    FSDP's hooks stay outside the compiled and recomputed region. ``as_partial``: bind ``checkpoint`` with
+    ``functools.partial`` instead of :func:`checkpointed` (the pre-2026-11-26 baseline, which compiles nothing under
+    checkpointing). ``float8``: a name of :data:`FLOAT8_SETTINGS`, applied with torchao's API
+    (:func:`float8_by_hand`).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"]
-    names += ["_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
+    names = ["mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention"]
+    names += ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    names += ["_scaled_dot_product_flash_attention_for_cpu"]
     saved = {getattr(aten, n).default for n in names if hasattr(aten, n)}  # what the plan's "selective" keeps
 
     def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
@@ -396,6 +430,7 @@ def run_torch(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace, *, 
     start = time.perf_counter()  # set-up: the meta-device model until it is sharded and materialized
     with torch.device("meta"):
         model = Llama(cfg)
+    precompute = float8_by_hand(model, float8) if float8 is not None else None
     for block in model.layers:
         if args.ac != "none" and as_partial and context_fn is not None:
             block.forward = partial(checkpoint, block.forward, use_reentrant=False, context_fn=context_fn)
@@ -424,12 +459,39 @@ def run_torch(cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace, *, 
         loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
+        if precompute is not None:  # torchao's rule under the float8 all-gather: the new weights' scales, at once
+            precompute(model)
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     timing = measure(step, data, args)
     timing.setup_s = setup
     return timing
+
+
+def float8_by_hand(model: torch.nn.Module, setting: str) -> Callable[[torch.nn.Module], None] | None:
+    """Convert ``model`` (on the meta device, before checkpointing, compile and FSDP) to torchao's float8 training
+    as torchao's documentation and torchtitan do it, with torchao's API alone: the recipe's config, the float8
+    all-gather as ``float8-<setting>`` sets it (for the two variants to differ only in who applies it), every
+    linear layer but the output layer whose dimensions are multiples of 16. Returns
+    ``precompute_float8_dynamic_scale_for_fsdp`` when weights are all-gathered in float8 (the caller runs it after
+    each optimizer step, as torchao asks its users to), else ``None``. Emulated without a GPU (the smoke check).
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    recipe, all_gather = FLOAT8_SETTINGS[setting]
+    gathers = recipe == "tensorwise" if all_gather is None else all_gather
+    config = replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        enable_fsdp_float8_all_gather=gathers,
+        emulate=DEVICE.type != "cuda",
+    )
+
+    def wanted(module: torch.nn.Module, fqn: str) -> bool:
+        return fqn != "output" and all(size % 16 == 0 for size in module.weight.shape)
+
+    convert_to_float8_training(model, module_filter_fn=wanted, config=config)
+    return precompute_float8_dynamic_scale_for_fsdp if gathers else None
 
 
 def _fused() -> bool:
@@ -442,6 +504,7 @@ RUNNERS: dict[str, Callable[[LlamaConfig, list[Batch], argparse.Namespace], Timi
     "torch": run_torch,
     "torch-partial": partial(run_torch, as_partial=True),
     **{float8_variant(setting): partial(run_modelpar, float8=setting) for setting in FLOAT8_SETTINGS},
+    **{float8_variant(setting, by_hand=True): partial(run_torch, float8=setting) for setting in FLOAT8_SETTINGS},
 }
 
 
@@ -510,10 +573,10 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     name = args.variants
     result = RunResult(name, args.batch, args.seq, device_name(), torch.__version__, peak, started_at=started_at)
-    if name.startswith("float8-"):
+    if float8_setting(name) is not None:
         from importlib import metadata
 
-        result.float8, result.emulated = name.removeprefix("float8-"), DEVICE.type != "cuda"
+        result.float8, result.emulated = float8_setting(name), DEVICE.type != "cuda"
         result.torchao_version = metadata.version("torchao")
     cfg = config(args)
     data = batches(cfg, args, args.warmup + args.steps)

@@ -58,6 +58,11 @@ benchmark that takes too long (``gpu-check.sh`` runs it and must stay under 5 mi
 ``--float8 tensorwise-bf16gather`` runs tensorwise with FSDP2's float8 all-gather off (weights gathered in bf16 and
 cast inside the compiled blocks): beside ``tensorwise`` on one GPU, what the float8 all-gather's eager casts cost.
 
+``--by-hand`` (with ``--float8``) also runs each setting by hand, ``torch-float8-<setting>``: the ``torch`` variant
+converted with torchao's API as its documentation and torchtitan do it, no modelpar. Each float8 variant is measured
+against its own bf16 (``float8-*`` against ``modelpar``, ``torch-float8-*`` against ``torch``), and the summary sets
+the two side by side: whether float8 itself falls short of the goal here, or modelpar's way of applying it.
+
 Each float8 recipe's ``[summary]`` lines include what it can gain on this model at the roofline
 (``_float8_roofline.py``: the converted layers' multiplies and casts from their shapes and the GPU's data sheet,
 the rest of the step as bf16 measured it), so that a ratio below the goal says whether the model could reach it.
@@ -97,8 +102,10 @@ from _mfu_variants import (
     RUNNERS,
     RunResult,
     add_model_arguments,
+    bf16_baseline,
     config,
     float8_refusal,
+    float8_setting,
     float8_variant,
     plan,
     run_worker,
@@ -114,8 +121,8 @@ DEFAULT_ROUNDS, DEFAULT_BUDGET_S = 2, 90.0
 FLOAT8_GOAL = 1.2
 #: ``--loss-rtol`` left out: ``docs/float8.md``'s stated tolerance, each step's loss within 2% of bf16's.
 FLOAT8_LOSS_RTOL = 0.02
-#: ``--variants`` left out: these; with float8 variants, the one they are measured against (modelpar in bf16), which
-#: then always runs, named or not.
+#: ``--variants`` left out: these; with float8 variants, the one modelpar's are measured against (modelpar in bf16),
+#: which then always runs, named or not (as ``torch`` does for the ``--by-hand`` ones: ``bf16_baseline``).
 DEFAULT_VARIANTS, BF16_BASELINE = "modelpar,lightning,torch", "modelpar"
 
 #: What ``estimate_memory`` counts as kept activations under each ``activation_checkpointing``.
@@ -144,6 +151,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="RECIPES",
         help=f"float8 against bf16: a comma list of {', '.join(FLOAT8_SETTINGS)} (adds float8-<name> variants;"
         " tensorwise-bf16gather: tensorwise with FSDP2's float8 all-gather off)",
+    )
+    p.add_argument(
+        "--by-hand",
+        action="store_true",
+        help="with --float8: each setting by hand too (torch-float8-<name>: torchao's API without modelpar, against"
+        " torch in bf16), to tell float8's own shortfall from modelpar's",
     )
     p.add_argument(
         "--data",
@@ -198,6 +211,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--float8 {args.float8!r}: unknown {wrong}; choose from {', '.join(FLOAT8_SETTINGS)} (a comma list)")
     if args.float8 is not None and args.sweep:
         p.error("--sweep runs modelpar alone over sizes; --float8 compares variants at one size: use one of them")
+    if args.by_hand and args.float8 is None:
+        p.error("--by-hand runs --float8's settings by hand: give them, e.g. --float8 tensorwise --by-hand")
     if args.roofline is not None:
         tps = args.roofline.partition(":")[2]
         try:
@@ -206,15 +221,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ok = False
         if not ok or not args.roofline.partition(":")[0]:
             p.error(f"--roofline {args.roofline!r}: give a GPU's name and, after a colon, bf16's tokens/s: H200:65303")
-    #: Whether the bf16 baseline runs only because float8 variants are compared with it (not asked for by name).
-    args.baseline_added = False
+    #: The bf16 variants that run only because float8 variants are measured against them (not asked for by name).
+    args.baselines_added = []
     if not args.worker:
         variants = (args.variants or (BF16_BASELINE if recipes else DEFAULT_VARIANTS)).split(",")
-        variants = list(dict.fromkeys(variants + [float8_variant(r) for r in recipes]))
+        variants += [float8_variant(r) for r in recipes]
+        variants += [float8_variant(r, by_hand=True) for r in recipes] if args.by_hand else []
+        variants = list(dict.fromkeys(variants))
         named = args.variants.split(",") if args.variants else []
-        if any(v.startswith("float8-") for v in variants) and BF16_BASELINE not in named:
-            variants = [BF16_BASELINE, *(v for v in variants if v != BF16_BASELINE)]  # float8 is measured against it
-            args.baseline_added = True
+        needed = dict.fromkeys(bf16_baseline(v) for v in variants if float8_setting(v) is not None)
+        args.baselines_added = [b for b in needed if b not in named]  # float8 is measured against them: first
+        variants = [*args.baselines_added, *(v for v in variants if v not in args.baselines_added)]
         args.variants = ",".join(variants)
     unknown = [v for v in (args.variants or "").split(",") if v not in RUNNERS]
     if unknown or not args.variants:
@@ -222,7 +239,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.worker and "," in args.variants:
         p.error(f"--worker runs one variant, got --variants {args.variants!r}")
     if args.data is None:  # the parent decides and passes it on: every worker of a run gets the same data
-        args.data = "phrases" if any(v.startswith("float8-") for v in args.variants.split(",")) else "uniform"
+        args.data = "phrases" if any(float8_setting(v) for v in args.variants.split(",")) else "uniform"
     return args
 
 
@@ -358,18 +375,23 @@ def check_float8() -> str | None:
 
 
 def compare(args: argparse.Namespace) -> int:
-    """The variants in turns, one process per run, then the table; 1 if a run failed or did not fit."""
+    """The variants in turns, one process per run, then the table; 1 if a run failed or did not fit.
+
+    A variant whose run fails or runs out of memory is left out of the rest and of the table, which the others
+    still get: a GPU lent for minutes is not lost to one variant's failure (its output is above the table).
+    """
     variants = args.variants.split(",")
-    float8 = [v for v in variants if v.startswith("float8-")]
+    float8 = [v for v in variants if float8_setting(v) is not None]
     refusal = check_float8() if float8 else None
     if refusal is not None:
         variants = [v for v in variants if v not in float8]
         print(f"[summary] float8 not measured ({', '.join(float8)} skipped): {refusal}")
-        if variants == [BF16_BASELINE] and args.baseline_added:  # left: only the baseline float8 would have needed
+        if set(variants) <= set(args.baselines_added):  # left: only the baselines float8 would have needed
             print("[summary] nothing else to run: bench_mfu.py without --float8 measures bf16 alone")
             return 0
     repeats, budget = rounds(args)
     runs: dict[str, list[RunResult]] = {v: [] for v in variants}
+    failed: dict[str, str] = {}
     start = time.perf_counter()
     for r in range(repeats):
         predicted = (time.perf_counter() - start) * (r + 1) / r if r else 0.0  # the rounds so far took the same
@@ -377,17 +399,24 @@ def compare(args: argparse.Namespace) -> int:
             print(f"(stopped after {r} round(s): one more would end near {predicted:.0f} s, past {budget:.0f} s)")
             break
         for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            if variant in failed:
+                continue
             result = spawn(args, variant, args.batch, args.seq)
             if result is None or result.oom:
-                why = "ran out of memory (try a smaller --batch)" if result is not None else "failed"
-                print(f"{variant} {why} at {args.batch} x {args.seq}: no comparison")
-                return 1
+                failed[variant] = "ran out of memory (try a smaller --batch)" if result is not None else "failed"
+                print(f"{variant} {failed[variant]} at {args.batch} x {args.seq}: left out of the comparison")
+                continue
             runs[variant].append(result)
     elapsed = time.perf_counter() - start
-    report(args, runs, elapsed)
-    if float8 and refusal is None:
-        report_float8(args, runs)
-    report_time([r for rs in runs.values() for r in rs], elapsed)
+    runs = {v: rs for v, rs in runs.items() if rs and v not in failed}
+    if runs:
+        report(args, runs, elapsed)
+        if float8 and refusal is None:
+            report_float8(args, runs)
+        report_time([r for rs in runs.values() for r in rs], elapsed)
+    if failed:
+        print("\nnot compared: " + "; ".join(f"{v} {why} (its output above)" for v, why in failed.items()))
+        return 1
     return 0
 
 
@@ -501,12 +530,15 @@ def largest_relative_difference(curve: list[float], baseline: list[float]) -> fl
 
 def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> None:
     """The float8 comparison as ``[summary]`` lines (``gpu-check.sh``'s summary shows them, up to 200 characters
-    each): each recipe against modelpar in bf16: tokens/s and their ratio with issue 29's goal, peak memory, then
-    the loss over the timed steps and its largest relative difference from bf16's, against ``--loss-rtol``."""
-    bf16 = runs[BF16_BASELINE]
-    base_tps = statistics.median(r.tokens_per_s or 0.0 for r in bf16)
-    base_curve = loss_curve(bf16, args.warmup)
-    first = bf16[0]
+    each): each bf16 baseline, then each float8 setting against it (``bf16_baseline``: modelpar's against modelpar
+    in bf16, ``--by-hand``'s against torch in bf16): tokens/s and their ratio with issue 29's goal, peak memory, the
+    roofline, then the loss over the timed steps and its largest relative difference from bf16's, against
+    ``--loss-rtol``; last, with ``--by-hand``, modelpar's float8 against the same setting by hand."""
+    float8 = {v: setting for v in runs if (setting := float8_setting(v)) is not None}  # variant -> its setting
+    baselines = [b for b in dict.fromkeys(map(bf16_baseline, float8)) if b in runs]
+    if not baselines:
+        return
+    first = runs[baselines[0]][0]
     emulated = any(r.emulated for rs in runs.values() for r in rs)
     torchao = next((r.torchao_version for rs in runs.values() for r in rs if r.torchao_version), "?")
     print(
@@ -516,30 +548,51 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     )
     if emulated:
         print("[summary] emulated (no GPU): float8's casts and scales, high-precision multiplies; speeds mean nothing")
-    noise = ""
-    if len(bf16) > 1:
-        spread = max(largest_relative_difference(loss_curve([r], args.warmup), base_curve) for r in bf16)
-        noise = f" (run to run within {spread:.2%})" if math.isfinite(spread) else ""
-    print(f"[summary]   {BF16_BASELINE} bf16: {_speed(bf16)}; loss {_ends(base_curve)}{noise}")
-    for variant, results in runs.items():
-        if not variant.startswith("float8-"):
-            continue
-        ratio = statistics.median(r.tokens_per_s or 0.0 for r in results) / base_tps if base_tps else 0.0
-        goal = "" if emulated else f" (goal at least {FLOAT8_GOAL}x: {'met' if ratio >= FLOAT8_GOAL else 'NOT met'})"
-        print(f"[summary]   {variant}: {_speed(results)}; {ratio:.3f}x bf16's tokens/s{goal}")
-        if not emulated:
-            try:
-                roof = roofline_line(args, variant.removeprefix("float8-"), first.device, base_tps)
-            except Exception as error:  # the measured lines around it matter more: print them all the same
-                roof = f"roofline: not computed ({type(error).__name__}: {error})"
-            print(f"[summary]     {roof}")
-        curve = loss_curve(results, args.warmup)
-        worst = largest_relative_difference(curve, base_curve)
-        verdict = f"tolerance {args.loss_rtol * 100:g}%: {'within' if worst <= args.loss_rtol else 'OUTSIDE'}"
-        if math.isfinite(worst):
-            print(f"[summary]     loss {_ends(curve)}, within {worst:.2%} of bf16's at every timed step ({verdict})")
-        else:
-            print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict})")
+    tps = {v: statistics.median(r.tokens_per_s or 0.0 for r in rs) for v, rs in runs.items()}
+    for baseline in baselines:
+        bf16 = runs[baseline]
+        base_curve = loss_curve(bf16, args.warmup)
+        noise = ""
+        if len(bf16) > 1:
+            spread = max(largest_relative_difference(loss_curve([r], args.warmup), base_curve) for r in bf16)
+            noise = f" (run to run within {spread:.2%})" if math.isfinite(spread) else ""
+        print(f"[summary]   {baseline} bf16: {_speed(bf16)}; loss {_ends(base_curve)}{noise}")
+        for variant, setting in float8.items():
+            if bf16_baseline(variant) == baseline:
+                _float8_lines(args, variant, setting, runs[variant], tps[baseline], base_curve, first.device, emulated)
+    twins = {s: float8_variant(s, by_hand=True) for v, s in float8.items() if v == float8_variant(s)}  # modelpar's
+    by_hand = [f"{s} {tps[float8_variant(s)] / tps[twin]:.3f}x" for s, twin in twins.items() if tps.get(twin)]
+    if by_hand:
+        print(f"[summary]   modelpar's float8 / the same by hand (tokens/s): {', '.join(by_hand)}")
+
+
+def _float8_lines(
+    args: argparse.Namespace,
+    variant: str,
+    setting: str,
+    results: list[RunResult],
+    base_tps: float,
+    base_curve: list[float],
+    device: str,
+    emulated: bool,
+) -> None:
+    """One float8 variant's ``[summary]`` lines against its bf16 baseline's tokens/s and loss curve."""
+    ratio = statistics.median(r.tokens_per_s or 0.0 for r in results) / base_tps if base_tps else 0.0
+    goal = "" if emulated else f" (goal at least {FLOAT8_GOAL}x: {'met' if ratio >= FLOAT8_GOAL else 'NOT met'})"
+    print(f"[summary]   {variant}: {_speed(results)}; {ratio:.3f}x bf16's tokens/s{goal}")
+    if not emulated:
+        try:
+            roof = roofline_line(args, setting, device, base_tps)
+        except Exception as error:  # the measured lines around it matter more: print them all the same
+            roof = f"roofline: not computed ({type(error).__name__}: {error})"
+        print(f"[summary]     {roof}")
+    curve = loss_curve(results, args.warmup)
+    worst = largest_relative_difference(curve, base_curve)
+    verdict = f"tolerance {args.loss_rtol * 100:g}%: {'within' if worst <= args.loss_rtol else 'OUTSIDE'}"
+    if math.isfinite(worst):
+        print(f"[summary]     loss {_ends(curve)}, within {worst:.2%} of bf16's at every timed step ({verdict})")
+    else:
+        print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict})")
 
 
 def model_roofline(args: argparse.Namespace, setting: str, specs: GpuSpecs) -> Roofline:
@@ -559,10 +612,10 @@ def report_profile_roofline(args: argparse.Namespace, runs: dict[str, list[RunRe
     casts, the optimizer, copies); on a GPU ``busy`` well under ``step`` means the device waited on the host.
     """
     profiled = {v: rs[0] for v, rs in runs.items() if rs and rs[0].profile_ms}
-    float8 = [v for v in profiled if v.startswith("float8-")]
-    if not float8 or BF16_BASELINE not in profiled or any(profiled[v].emulated for v in float8):
+    float8 = {v: s for v in profiled if (s := float8_setting(v)) is not None and bf16_baseline(v) in profiled}
+    if not float8 or any(profiled[v].emulated for v in float8):
         return
-    device = profiled[BF16_BASELINE].device
+    device = next(iter(profiled.values())).device
     specs = specs_for(device)
     if specs is None:
         print(f"(no roofline beside the profile: no specs for {device!r}; known: {', '.join(SPECS)})")
@@ -574,23 +627,25 @@ def report_profile_roofline(args: argparse.Namespace, runs: dict[str, list[RunRe
     def rest(ms: dict[str, float]) -> float:
         return ms["busy"] - multiplies(ms) - ms.get("attention", 0.0)
 
-    base = profiled[BF16_BASELINE].profile_ms or {}
     print(
         f"\nprofile against the roofline ({device}: {GEMM_EFFICIENCY:.0%} of peak, {BANDWIDTH_EFFICIENCY:.0%} of"
         " bandwidth), ms per step: the multiplies (float8 and bf16 kernels, the output layer's included) measured"
-        " and at the roofline; the rest (all kernels but multiplies and attention) and what it adds over bf16's,"
-        " beside the casts' roofline"
+        " and at the roofline; the rest (all kernels but multiplies and attention) and what it adds over its bf16"
+        " variant's, beside the casts' roofline"
     )
     columns = ("step", "busy", "multiplies", "roofline", "measured / roofline", "attention", "the rest", "over bf16")
     print("| variant | " + " | ".join(columns) + " | casts' roofline |")
     print("|---|" + "---|" * (len(columns) + 1))
-    roofs = {v: model_roofline(args, v.removeprefix("float8-"), specs) for v in float8}
-    bf16_roof = roofs[float8[0]]  # its bf16 multiplies: the same whatever the recipe
-    for variant, line in [(BF16_BASELINE, None), *roofs.items()]:
+    roofs = {v: model_roofline(args, setting, specs) for v, setting in float8.items()}
+    bf16_roof = next(iter(roofs.values()))  # its bf16 multiplies: the same whatever the recipe
+    rows: list[tuple[str, Roofline | None]] = []
+    for baseline in dict.fromkeys(map(bf16_baseline, float8)):  # each bf16 variant, then its float8 ones
+        rows += [(baseline, None), *((v, roof) for v, roof in roofs.items() if bf16_baseline(v) == baseline)]
+    for variant, line in rows:
         ms = profiled[variant].profile_ms or {}
         ideal = (bf16_roof.bf16_s + bf16_roof.kept_s) if line is None else (line.float8_s + line.kept_s)
         ideal_ms = ideal * 1e3
-        over = "" if line is None else f"{rest(ms) - rest(base):+.2f}"
+        over = "" if line is None else f"{rest(ms) - rest(profiled[bf16_baseline(variant)].profile_ms or {}):+.2f}"
         casts = "" if line is None else f"{line.casts_s * 1e3:.2f}"
         cells = (ms["step"], ms["busy"], multiplies(ms), ideal_ms)
         print(

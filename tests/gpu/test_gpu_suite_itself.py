@@ -507,6 +507,128 @@ def test_the_benchmark_runs_tensorwise_with_and_without_the_float8_all_gather(mo
         bench_mfu.parse(["--float8", "rowwise-bf16gather"])
 
 
+def test_float8_by_hand_runs_against_torch_in_bf16_and_is_set_beside_modelpars(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--by-hand``: each float8 setting also applied with torchao's API alone (``torch-float8-<setting>``),
+    measured against torch in bf16, each baseline run whether named or not; the summary sets modelpar's float8
+    against the same by hand, which tells a shortfall of float8 on this GPU from one of modelpar's."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RUNNERS, RunResult, bf16_baseline, float8_setting
+
+    args = bench_mfu.parse(["--float8", "tensorwise,rowwise", "--by-hand", "--warmup", "1", "--steps", "3"])
+    assert args.variants == (
+        "modelpar,torch,float8-tensorwise,float8-rowwise,torch-float8-tensorwise,torch-float8-rowwise"
+    ), args.variants
+    assert args.baselines_added == ["modelpar", "torch"] and set(args.variants.split(",")) <= set(RUNNERS), args
+    named = bench_mfu.parse(["--variants", "torch,lightning", "--float8", "rowwise", "--by-hand"])
+    assert named.variants == "modelpar,torch,lightning,float8-rowwise,torch-float8-rowwise", named.variants
+    assert named.baselines_added == ["modelpar"], named.baselines_added
+    assert (float8_setting("torch-float8-tensorwise-bf16gather"), bf16_baseline("torch-float8-rowwise")) == (
+        "tensorwise-bf16gather",
+        "torch",
+    )
+    assert (float8_setting("torch"), bf16_baseline("float8-rowwise")) == (None, "modelpar")
+    with pytest.raises(SystemExit):
+        bench_mfu.parse(["--by-hand"])
+    assert "--by-hand runs --float8's settings by hand: give them" in capsys.readouterr().err
+
+    def run(variant: str, tps: float, ms: dict[str, float] | None = None) -> RunResult:
+        float8 = float8_setting(variant)
+        result = RunResult(
+            variant, 4, 2048, "NVIDIA H200", "2.11.0+cu130", 989.4, tps, peak_gib=20.0, losses=[9.0, 8.0, 7.0, 6.0],
+            float8=float8, torchao_version="0.18.0" if float8 else None,
+        )  # fmt: skip
+        result.profile_ms = {"step": 8192 / tps * 1e3, "busy": sum(ms.values()), **ms} if ms else None
+        return result
+
+    bf16 = {"attention": 9.0, "matmul": 80.0, "Triton (compiled)": 20.0}
+    float8 = {"attention": 9.0, "matmul": 6.0, "float8 matmul": 50.0, "Triton (compiled)": 32.0}
+    runs = {
+        "modelpar": [run("modelpar", 60000.0, bf16)],
+        "torch": [run("torch", 64000.0, {**bf16, "Triton (compiled)": 18.0})],
+        "float8-tensorwise": [run("float8-tensorwise", 56000.0, float8)],
+        "torch-float8-tensorwise": [run("torch-float8-tensorwise", 80000.0, {**float8, "Triton (compiled)": 25.0})],
+    }
+    args = bench_mfu.parse(["--float8", "tensorwise", "--by-hand", "--warmup", "1", "--steps", "3", "--profile", "2"])
+    bench_mfu.report_float8(args, runs)
+    printed = capsys.readouterr().out
+    lines = "\n".join(line.strip() for line in printed.splitlines())
+    # Each float8 variant against its own bf16: 56000 / 60000 and 80000 / 64000; its roofline with that bf16's step.
+    assert "float8-tensorwise: 56000 tokens/s (56000-56000), peak 20.0 GiB; 0.933x bf16's tokens/s" in lines, lines
+    assert "[summary]   torch bf16: 64000 tokens/s (64000-64000), peak 20.0 GiB; loss 8.000 -> 6.000" in lines
+    assert "torch-float8-tensorwise: 80000 tokens/s (80000-80000), peak 20.0 GiB; 1.250x bf16's tokens/s" in lines
+    assert "1.250x bf16's tokens/s (goal at least 1.2x: met)" in lines and "of its 137 ms)" in lines, lines
+    assert "of its 128 ms)" in lines, lines  # torch's bf16 step: 8192 tokens at 64000 tokens/s
+    assert lines.index("torch bf16:") > lines.index("float8-tensorwise:"), lines  # each baseline, then its float8
+    assert "[summary]   modelpar's float8 / the same by hand (tokens/s): tensorwise 0.700x" in lines, lines
+    (tmp_path / "bench_float8.txt").write_text(printed)
+    shown = gpu_summary.bench_lines(tmp_path / "bench_float8.txt")
+    assert len(shown) == 10 and all(len(line) <= gpu_summary.WIDTH for line in shown), shown
+    # The profile against the roofline: each bf16 variant, then its float8 ones, each over its own bf16's rest.
+    bench_mfu.report_profile_roofline(args, runs)
+    table = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert table[1:] == ["| modelpar", "| float8-tensorwise", "| torch", "| torch-float8-tensorwise"], table
+    bench_mfu.report_profile_roofline(args, runs)
+    printed = capsys.readouterr().out
+    assert "| torch-float8-tensorwise | 102.40 | 90.00 | 56.00 | 36.23 | 1.55x | 9.00 | 25.00 | +7.00 |" in printed
+
+
+def test_the_float8_by_hand_conversion_is_torchaos_own_as_the_setting_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``float8_by_hand``: every linear layer but the output layer, torchao's wrapped weights and the scales to
+    precompute after each step only where the setting all-gathers in float8 (tensorwise, as modelpar's default)."""
+    pytest.importorskip("torchao.float8", reason="torchao.float8 does not import: the by-hand variants need it")
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    from _mfu_variants import float8_by_hand
+
+    from modelpar.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
+    for setting, gathers in (("tensorwise", True), ("tensorwise-bf16gather", False), ("rowwise", False)):
+        with torch.device("meta"):
+            model = Llama(cfg)
+        precompute = float8_by_hand(model, setting)
+        converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+        wrapped = [n for n, p in model.named_parameters() if type(p).__name__ == "WeightWithDynamicFloat8CastTensor"]
+        assert len(converted) == 14 and "output" not in converted, (setting, converted)
+        assert (precompute is not None, len(wrapped)) == ((True, 14) if gathers else (False, 0)), (setting, wrapped)
+        assert getattr(precompute, "__name__", None) in (None, "precompute_float8_dynamic_scale_for_fsdp"), precompute
+
+
+def test_a_variant_that_fails_is_left_out_and_the_others_are_still_compared(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU lent for minutes is not lost to one variant: the one that fails (or runs out of memory) is left out of
+    the later rounds and the table, the others are reported, and the benchmark exits 1 naming it."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RunResult
+
+    spawned: list[str] = []
+
+    def spawn(args: argparse.Namespace, variant: str, batch: int, seq: int) -> RunResult | None:
+        spawned.append(variant)
+        if variant == "lightning":
+            return None
+        oom = "CUDA out of memory" if variant == "torch" else None
+        return RunResult(variant, batch, seq, "CPU (smoke check)", "2.13.0", 1.0, 1000.0, step_s=[0.1], oom=oom)
+
+    monkeypatch.setattr(bench_mfu, "spawn", spawn)
+    model = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
+    args = bench_mfu.parse(["--repeats", "2", "--no-compile", *model])
+    assert bench_mfu.compare(args) == 1
+    printed = capsys.readouterr().out
+    assert spawned == ["modelpar", "lightning", "torch", "modelpar"], spawned  # no second try of a failed one
+    assert "lightning failed at 4 x 2048: left out of the comparison" in printed, printed
+    assert "torch ran out of memory (try a smaller --batch) at 4 x 2048: left out" in printed, printed
+    assert "| modelpar | 1000 |" in printed and "| lightning |" not in printed, printed
+    assert printed.rstrip().splitlines()[-1] == (
+        "not compared: lightning failed (its output above); torch ran out of memory (try a smaller --batch) (its"
+        " output above)"
+    ), printed
+
+
 def test_a_spawns_time_takes_each_case_on_its_slowest_rank_and_the_start_up_of_its_latest() -> None:
     """What ``spawn_cases`` prints for the summary: the case a spawn waits for is its slowest rank's."""
     import gpu_common
