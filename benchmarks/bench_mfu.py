@@ -535,10 +535,10 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     roofline, then the loss over the timed steps and its largest relative difference from bf16's, against
     ``--loss-rtol``; last, with ``--by-hand``, modelpar's float8 against the same setting by hand."""
     float8 = {v: setting for v in runs if (setting := float8_setting(v)) is not None}  # variant -> its setting
-    baselines = [b for b in dict.fromkeys(map(bf16_baseline, float8)) if b in runs]
-    if not baselines:
+    if not float8:
         return
-    first = runs[baselines[0]][0]
+    baselines = [b for b in dict.fromkeys(map(bf16_baseline, float8)) if b in runs]
+    first = runs[(baselines or list(float8))[0]][0]
     emulated = any(r.emulated for rs in runs.values() for r in rs)
     torchao = next((r.torchao_version for rs in runs.values() for r in rs if r.torchao_version), "?")
     print(
@@ -560,6 +560,8 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
         for variant, setting in float8.items():
             if bf16_baseline(variant) == baseline:
                 _float8_lines(args, variant, setting, runs[variant], tps[baseline], base_curve, first.device, emulated)
+    for variant in (v for v in float8 if bf16_baseline(v) not in runs):  # its baseline failed: nothing to set against
+        print(f"[summary]   {variant}: {_speed(runs[variant])}; no ratio: {bf16_baseline(variant)} in bf16 did not run")
     twins = {s: float8_variant(s, by_hand=True) for v, s in float8.items() if v == float8_variant(s)}  # modelpar's
     by_hand = [f"{s} {tps[float8_variant(s)] / tps[twin]:.3f}x" for s, twin in twins.items() if tps.get(twin)]
     if by_hand:

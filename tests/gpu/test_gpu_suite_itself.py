@@ -566,6 +566,12 @@ def test_float8_by_hand_runs_against_torch_in_bf16_and_is_set_beside_modelpars(
     (tmp_path / "bench_float8.txt").write_text(printed)
     shown = gpu_summary.bench_lines(tmp_path / "bench_float8.txt")
     assert len(shown) == 10 and all(len(line) <= gpu_summary.WIDTH for line in shown), shown
+    # A baseline that failed (left out by compare): its float8 variant is still shown, without a ratio.
+    bench_mfu.report_float8(args, {v: rs for v, rs in runs.items() if v != "torch"})
+    assert (
+        "torch-float8-tensorwise: 80000 tokens/s (80000-80000), peak 20.0 GiB; no ratio: torch in bf16 did not"
+        in capsys.readouterr().out
+    )
     # The profile against the roofline: each bf16 variant, then its float8 ones, each over its own bf16's rest.
     bench_mfu.report_profile_roofline(args, runs)
     table = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
