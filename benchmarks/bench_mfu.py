@@ -82,6 +82,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -537,7 +538,7 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     float8 = {v: setting for v in runs if (setting := float8_setting(v)) is not None}  # variant -> its setting
     if not float8:
         return
-    baselines = [b for b in dict.fromkeys(map(bf16_baseline, float8)) if b in runs]
+    baselines = [b for b in _baselines(float8) if b in runs]
     first = runs[(baselines or list(float8))[0]][0]
     emulated = any(r.emulated for rs in runs.values() for r in rs)
     torchao = next((r.torchao_version for rs in runs.values() for r in rs if r.torchao_version), "?")
@@ -566,6 +567,11 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     by_hand = [f"{s} {tps[float8_variant(s)] / tps[twin]:.3f}x" for s, twin in twins.items() if tps.get(twin)]
     if by_hand:
         print(f"[summary]   modelpar's float8 / the same by hand (tokens/s): {', '.join(by_hand)}")
+
+
+def _baselines(float8: Iterable[str]) -> list[str]:
+    """The bf16 variants the float8 variants ``float8`` are measured against, modelpar's first."""
+    return sorted(dict.fromkeys(map(bf16_baseline, float8)), key=lambda b: b != BF16_BASELINE)
 
 
 def _float8_lines(
@@ -641,7 +647,7 @@ def report_profile_roofline(args: argparse.Namespace, runs: dict[str, list[RunRe
     roofs = {v: model_roofline(args, setting, specs) for v, setting in float8.items()}
     bf16_roof = next(iter(roofs.values()))  # its bf16 multiplies: the same whatever the recipe
     rows: list[tuple[str, Roofline | None]] = []
-    for baseline in dict.fromkeys(map(bf16_baseline, float8)):  # each bf16 variant, then its float8 ones
+    for baseline in _baselines(float8):  # each bf16 variant, then its float8 ones
         rows += [(baseline, None), *((v, roof) for v, roof in roofs.items() if bf16_baseline(v) == baseline)]
     for variant, line in rows:
         ms = profiled[variant].profile_ms or {}

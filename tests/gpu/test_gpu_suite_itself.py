@@ -566,6 +566,9 @@ def test_float8_by_hand_runs_against_torch_in_bf16_and_is_set_beside_modelpars(
     (tmp_path / "bench_float8.txt").write_text(printed)
     shown = gpu_summary.bench_lines(tmp_path / "bench_float8.txt")
     assert len(shown) == 10 and all(len(line) <= gpu_summary.WIDTH for line in shown), shown
+    bench_mfu.report_float8(args, dict(reversed(runs.items())))  # variants named torch's first: modelpar's lead
+    reordered = capsys.readouterr().out
+    assert reordered.index("modelpar bf16:") < reordered.index("torch bf16:"), reordered
     # A baseline that failed (left out by compare): its float8 variant is still shown, without a ratio.
     bench_mfu.report_float8(args, {v: rs for v, rs in runs.items() if v != "torch"})
     assert (
