@@ -283,6 +283,9 @@ KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("copy and fill", ("memcpy", "memset", "copy", "fill")),
 )
 OTHER_KIND = "other"
+#: Besides milliseconds, :func:`profile_steps` returns these counts a step: the aten operators the host called, and
+#: the kernels that ran (on the CPU smoke check, the operators with time of their own).
+PROFILE_COUNTS = ("host ops", "kernels")
 
 
 def kernel_kind(name: str) -> str:
@@ -300,7 +303,10 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
     The device's own time per kernel (``self_device_time_total``) on a GPU; on the CPU smoke check, each
     operator's self CPU time, so the code runs end to end there. ``"step"`` is the wall time per step and
     ``"busy"`` the sum of the kinds: on a GPU, a busy time well under the step's means the device waited on the
-    host (launch overhead, eager code).
+    host (launch overhead, eager code). Two counts a step come with them (:data:`PROFILE_COUNTS`): the aten
+    operators the host called and the kernels (on the CPU, operators with time of their own) that ran. The host's
+    share of a step is what a faster device waits on: on CPU, modelpar's float8 all-gather on one rank added
+    about 2,400 operators a step to the 1.07B model's 10,900 (``benchmarks/RESULTS.md``, 2026-11-28).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -316,6 +322,7 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
         sync()
         wall = time.perf_counter() - start
     events = list(prof.key_averages())
+    host_ops = sum(e.count for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::"))
     if on_gpu:  # the kernels; without kernel events of their own, the operators' device time (nested ops excluded)
         events = [e for e in events if e.device_type == DeviceType.CUDA] or events
     per_kernel: dict[str, tuple[float, int]] = {}
@@ -332,7 +339,9 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
     print(f"profile: {n} step(s), {wall / n * 1e3:.1f} ms per step; the busiest {what}, ms per step:", flush=True)
     for name, (micros, count) in busiest:
         print(f"  {micros / 1e3 / n:8.2f}  x{count // n:<4d} {kernel_kind(name):18s} {name[:110]}", flush=True)
-    return {"step": wall / n * 1e3, "busy": sum(by_kind.values()), **by_kind}
+    kernels = sum(count for _, count in per_kernel.values())
+    counts = dict(zip(PROFILE_COUNTS, (host_ops / n, kernels / n), strict=True))
+    return {"step": wall / n * 1e3, "busy": sum(by_kind.values()), **by_kind, **counts}
 
 
 def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argparse.Namespace) -> Timing:

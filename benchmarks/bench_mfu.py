@@ -99,6 +99,7 @@ from _float8_roofline import (
 )
 from _mfu_variants import (
     FLOAT8_SETTINGS,
+    PROFILE_COUNTS,
     RESULT_PREFIX,
     RUNNERS,
     RunResult,
@@ -494,20 +495,23 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
 
 
 def report_profiles(runs: dict[str, list[RunResult]]) -> None:
-    """``--profile``: each variant's device time per step by kernel kind (its first run's profiled steps)."""
+    """``--profile``: each variant's device time per step by kernel kind (its first run's profiled steps), and the
+    host operators and kernels a step (:data:`PROFILE_COUNTS`)."""
     profiled = {v: rs[0].profile_ms for v, rs in runs.items() if rs and rs[0].profile_ms}
     if not profiled:
         return
-    kinds = [k for k in next(iter(profiled.values())) if k not in ("step", "busy")]
+    kinds = [k for k in next(iter(profiled.values())) if k not in ("step", "busy", *PROFILE_COUNTS)]
     kinds = [k for k in kinds if any(p.get(k, 0.0) >= 0.005 for p in profiled.values())]
+    counts = [c for c in PROFILE_COUNTS if any(c in p for p in profiled.values())]
     print(
         "\nprofile (--profile): ms per step, each variant's first run; 'busy' is the sum of its kernels' device"
         " time (on the CPU smoke check, operators' self CPU time); see each run's busiest kernels above"
+        + ("; then counts a step: the aten operators the host called, the kernels that ran" if counts else "")
     )
-    print("| variant | step | busy | " + " | ".join(kinds) + " |")
-    print("|---|---|---|" + "---|" * len(kinds))
+    print("| variant | step | busy | " + " | ".join(kinds + counts) + " |")
+    print("|---|---|---|" + "---|" * len(kinds + counts))
     for variant, ms in profiled.items():
-        cells = " | ".join(f"{ms.get(k, 0.0):.2f}" for k in kinds)
+        cells = " | ".join([f"{ms.get(k, 0.0):.2f}" for k in kinds] + [f"{ms.get(c, 0.0):.0f}" for c in counts])
         print(f"| {variant} | {ms['step']:.2f} | {ms['busy']:.2f} | {cells} |")
 
 

@@ -362,6 +362,18 @@ def test_the_benchmarks_profile_sorts_kernels_by_kind(
     assert "| modelpar | 125.00 | 109.00 | 0.00 | 9.00 | 80.00 | 20.00 |" in printed, printed
     assert "| float8-tensorwise | 125.00 | 85.00 | 50.00 | 9.00 | 6.00 | 20.00 |" in printed, printed
     assert "communication" not in printed.split("| variant |")[1], printed  # no run spent time there
+    # With the counts a step that profile_steps adds: the host's operators and the kernels, after the kinds.
+    for result, host_ops, launched in (
+        (runs["modelpar"][0], 10873.4, 900.0),
+        (runs["float8-tensorwise"][0], 13247, 1300),
+    ):
+        assert result.profile_ms is not None
+        result.profile_ms |= {"host ops": host_ops, "kernels": launched}
+    bench_mfu.report_profiles(runs)
+    printed = capsys.readouterr().out
+    assert "| float8 matmul | attention | matmul | Triton (compiled) | host ops | kernels |" in printed, printed
+    assert "| modelpar | 125.00 | 109.00 | 0.00 | 9.00 | 80.00 | 20.00 | 10873 | 900 |" in printed, printed
+    assert "then counts a step: the aten operators the host called, the kernels that ran" in printed, printed
 
 
 def test_the_benchmarks_profile_sets_each_variants_multiplies_against_their_roofline(
