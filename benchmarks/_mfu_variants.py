@@ -94,7 +94,8 @@ class RunResult:
     float8: str | None = None
     emulated: bool = False
     torchao_version: str | None = None
-    #: ``--profile``: milliseconds per profiled step by kernel kind, plus ``"step"`` (wall) and ``"busy"`` (all kinds)
+    #: ``--profile``: milliseconds per profiled step by kernel kind, plus ``"step"`` (wall) and ``"busy"`` (all
+    #: kinds), and the counts a step of :data:`PROFILE_COUNTS`
     profile_ms: dict[str, float] | None = None
     #: When the worker's ``main`` began (epoch seconds): the parent's spawn time before it is the start-up.
     started_at: float | None = None
@@ -489,7 +490,8 @@ def float8_by_hand(model: torch.nn.Module, setting: str) -> Callable[[torch.nn.M
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
     recipe, all_gather = FLOAT8_SETTINGS[setting]
-    gathers = recipe == "tensorwise" if all_gather is None else all_gather
+    # Whether to all-gather in float8: modelpar's rule for the setting, so that only who applies it differs.
+    gathers = Float8Training(recipe, all_gather=all_gather).gathers_in_float8  # type: ignore[arg-type]
     config = replace(
         Float8LinearConfig.from_recipe_name(recipe),
         enable_fsdp_float8_all_gather=gathers,
@@ -582,10 +584,11 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     name = args.variants
     result = RunResult(name, args.batch, args.seq, device_name(), torch.__version__, peak, started_at=started_at)
-    if float8_setting(name) is not None:
+    result.float8 = float8_setting(name)
+    if result.float8 is not None:
         from importlib import metadata
 
-        result.float8, result.emulated = float8_setting(name), DEVICE.type != "cuda"
+        result.emulated = DEVICE.type != "cuda"
         result.torchao_version = metadata.version("torchao")
     cfg = config(args)
     data = batches(cfg, args, args.warmup + args.steps)

@@ -567,8 +567,8 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
                 _float8_lines(args, variant, setting, runs[variant], tps[baseline], base_curve, first.device, emulated)
     for variant in (v for v in float8 if bf16_baseline(v) not in runs):  # its baseline failed: nothing to set against
         print(f"[summary]   {variant}: {_speed(runs[variant])}; no ratio: {bf16_baseline(variant)} in bf16 did not run")
-    twins = {s: float8_variant(s, by_hand=True) for v, s in float8.items() if v == float8_variant(s)}  # modelpar's
-    by_hand = [f"{s} {tps[float8_variant(s)] / tps[twin]:.3f}x" for s, twin in twins.items() if tps.get(twin)]
+    twins = [(s, v, float8_variant(s, by_hand=True)) for v, s in float8.items() if v == float8_variant(s)]
+    by_hand = [f"{s} {tps[v] / tps[twin]:.3f}x" for s, v, twin in twins if tps.get(twin)]
     if by_hand:
         print(f"[summary]   modelpar's float8 / the same by hand (tokens/s): {', '.join(by_hand)}")
 
