@@ -558,5 +558,6 @@ def test_hugging_face_llama_loads_trains_and_saves_at_pp2_dp2(four: list[dict[st
     for rank in four:
         hf = rank["hugging_face"]
         assert hf["load"] == 0.0 and hf["loss"] < LOSS_TOL and hf["param"] < PARAM_TOL, hf
-    assert four[0]["hugging_face"]["saved"] == four[0]["hugging_face"]["param"]  # the trained weights, as saved
+    # the trained weights, as saved: rank 0 reads every stage's file back, and each rank measured only its own stage
+    assert four[0]["hugging_face"]["saved"] == max(rank["hugging_face"]["param"] for rank in four)
     assert four[0]["hugging_face"]["warned"] == 1.0  # rank 0 said that init_weights() was not drawn for other stages
