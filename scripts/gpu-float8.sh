@@ -68,8 +68,10 @@ for step in "${steps[@]}"; do
   step_started=$SECONDS
   case $step in
     gemm)
-      { "$PYTHON" benchmarks/bench_float8_gemm.py "${wide[@]}" ${gemm[@]+"${gemm[@]}"} \
-          && "$PYTHON" benchmarks/bench_float8_gemm.py ${default[@]+"${default[@]}"} ${gemm[@]+"${gemm[@]}"}; } 2>&1 | tee "$OUT/gemm.txt" ;;
+      # both models' shapes, the second whatever the first gave; the step fails if either did
+      ( "$PYTHON" benchmarks/bench_float8_gemm.py "${wide[@]}" ${gemm[@]+"${gemm[@]}"}; first=$?
+        "$PYTHON" benchmarks/bench_float8_gemm.py ${default[@]+"${default[@]}"} ${gemm[@]+"${gemm[@]}"} && exit "$first"
+      ) 2>&1 | tee "$OUT/gemm.txt" ;;
     profile)
       "$PYTHON" benchmarks/bench_mfu.py "${wide[@]}" "${run[@]}" --variants modelpar,torch,torch-float8-tensorwise \
         --float8 tensorwise,tensorwise-bf16gather 2>&1 | tee "$OUT/profile.txt" ;;
