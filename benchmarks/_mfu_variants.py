@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -271,14 +272,18 @@ def measure(step: Step, data: list[Batch], args: argparse.Namespace) -> Timing:
     return Timing(setup_s=0.0, warmup_s=warmup, step_s=times, losses=values, profile_ms=profiled)
 
 
-#: :func:`kernel_kind`'s kinds, in the order the report prints them; the first whose words a kernel's name holds
-#: wins. Names are the kernels' own (cuBLAS, CUTLASS, flash attention, Triton, NCCL); on the CPU smoke check, aten
+#: :func:`kernel_kind`'s kinds, in the order the report prints them, each with the words its kernels' names hold.
+#: Names are the kernels' own (cuBLAS, CUTLASS, flash attention, Triton, NCCL); on the CPU smoke check, aten
 #: operators'. The words are a reading of those names, not an API: ``--profile`` also prints the busiest kernels by
-#: name, so a kernel in the wrong kind shows there.
+#: name, so a kernel in the wrong kind shows there. :func:`kernel_kind` applies them in its own order (inductor's
+#: kernels first, a multiply's precision from :data:`FLOAT8_WORDS`), since a name can hold another kind's words.
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("float8 matmul", ("e4m3", "e5m2", "fp8", "f8f8", "float8", "_scaled_mm", "scaled_mm")),
+    ("float8 matmul", ()),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn_generated_fort_native_sdpa")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
+    (
+        "matmul",
+        ("gemm", "nvjet", "cutlass", "xmma", "cublas", "scaled_mm", "aten::mm", "aten::addmm", "aten::bmm", "matmul"),
+    ),
     ("communication", ("nccl", "gloo", "c10d")),
     ("Triton (compiled)", ("triton",)),
     ("copy and fill", ("memcpy", "memset", "copy", "fill")),
@@ -287,13 +292,34 @@ OTHER_KIND = "other"
 #: Besides milliseconds, :func:`profile_steps` returns these counts a step: the aten operators the host called, and
 #: the kernels that ran (on the CPU smoke check, the operators with time of their own).
 PROFILE_COUNTS = ("host ops", "kernels")
+#: What makes a multiply (a name with the "matmul" kind's words) a float8 one: CUTLASS's and cuBLAS's element types
+#: (``e4m3``, ``f8f8``), torch's ``_scaled_mm``, and cuBLAS's ``nvjet`` kernels whose operand types are float8
+#: (``nvjet_sm90_qqtst_*``, ``nvjet_sm90_qrtst_*`` on the H200, 2026-11-28, where bf16's read ``nvjet_sm90_tst_*``).
+FLOAT8_WORDS = ("e4m3", "e5m2", "fp8", "f8f8", "float8", "scaled_mm")
+_NVJET_FLOAT8 = re.compile(r"nvjet_(?:sm\d+_)?[qr]{2}")
+#: Inductor's pointwise and reduction kernels (``triton_poi_``, ``triton_red_``, ``triton_per_``): compiled code,
+#: whatever operators their names list. A cast's kernel is named after the multiply it feeds
+#: (``triton_red_fused__scaled_mm__to_copy_abs_amax_...``), which until 2026-11-28 put float8's casts among the float8
+#: multiplies. Triton's templates (``triton_tem_``) can be multiplies, and are read by their words.
+_INDUCTOR_KERNEL = re.compile(r"^triton_(?:poi|red|per)_")
+#: Profiler ranges that are not kernels: a ``record_function`` (``Optimizer.step#AdamW.step``, FSDP's) shows on the
+#: GPU's timeline as a range over the kernels it launched, whose time it would count twice.
+_ANNOTATION_FLAG = "is_user_annotation"
 
 
 def kernel_kind(name: str) -> str:
-    """The kind of a kernel (or, on the CPU, an operator) by its name: :data:`KERNEL_KINDS`, else ``"other"``."""
+    """The kind of a kernel (or, on the CPU, an operator) by its name: one of :data:`KERNEL_KINDS`, else ``"other"``.
+
+    Inductor's pointwise and reduction kernels are Triton whatever they fuse; a multiply is a float8 one if its name
+    says so (:data:`FLOAT8_WORDS`, cuBLAS's float8 ``nvjet`` kernels); an eager cast to float8 is no multiply.
+    """
     lowered = name.lower()
+    if _INDUCTOR_KERNEL.match(lowered):
+        return "Triton (compiled)"
     for kind, words in KERNEL_KINDS:
         if any(word in lowered for word in words):
+            if kind == "matmul" and (any(w in lowered for w in FLOAT8_WORDS) or _NVJET_FLOAT8.search(lowered)):
+                return "float8 matmul"
             return kind
     return OTHER_KIND
 
@@ -304,7 +330,9 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
     The device's own time per kernel (``self_device_time_total``) on a GPU; on the CPU smoke check, each
     operator's self CPU time, so the code runs end to end there. ``"step"`` is the wall time per step and
     ``"busy"`` the sum of the kinds: on a GPU, a busy time well under the step's means the device waited on the
-    host (launch overhead, eager code). Two counts a step come with them (:data:`PROFILE_COUNTS`): the aten
+    host (launch overhead, eager code). Ranges that are no kernels (a ``record_function``'s on the GPU's timeline,
+    such as the optimizer step's) are left out: until 2026-11-28 they were counted beside the kernels they span, and
+    ``busy`` came out over ``step``. Two counts a step come with them (:data:`PROFILE_COUNTS`): the aten
     operators the host called and the kernels (on the CPU, operators with time of their own) that ran. The host's
     share of a step is what a faster device waits on: on CPU, modelpar's float8 all-gather on one rank added
     about 2,400 operators a step to the 1.07B model's 10,900 (``benchmarks/RESULTS.md``, 2026-11-28).
@@ -326,6 +354,7 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
     host_ops = sum(e.count for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::"))
     if on_gpu:  # the kernels; without kernel events of their own, the operators' device time (nested ops excluded)
         events = [e for e in events if e.device_type == DeviceType.CUDA] or events
+        events = [e for e in events if not getattr(e, _ANNOTATION_FLAG, False)]
     per_kernel: dict[str, tuple[float, int]] = {}
     for event in events:
         micros = event.self_device_time_total if on_gpu else event.self_cpu_time_total

@@ -321,8 +321,9 @@ def test_a_float8_case_skips_naming_what_is_missing(monkeypatch: pytest.MonkeyPa
 def test_the_benchmarks_profile_sorts_kernels_by_kind(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``bench_mfu.py --profile``: kernel names as an H100/H200 run prints them go to the kind they are, float8
-    multiplies before the plain ones (CUTLASS and cuBLAS name both), and the table shows each kind that took time."""
+    """``bench_mfu.py --profile``: kernel names as an H100/H200 run prints them go to the kind they are (the
+    ``nvjet`` and Triton names are the H200's of 2026-11-28), float8 multiplies apart from bf16's (CUTLASS and
+    cuBLAS name both), a cast never among the multiplies, and the table shows each kind that took time."""
     monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
     import bench_mfu
     from _mfu_variants import OTHER_KIND, RunResult, kernel_kind
@@ -333,6 +334,17 @@ def test_the_benchmarks_profile_sorts_kernels_by_kind(
         ),
         "void cutlass::device_kernel<cutlass_90_tensorop_f8f8bf16_rowwise_gemm_128x128x128_1x2x1>": "float8 matmul",
         "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NTN": "matmul",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT": "float8 matmul",
+        "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "float8 matmul",
+        "triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_clone_exp2_floor_log2_mul_reciprocal_silu": (
+            "Triton (compiled)"
+        ),
+        "triton_poi_fused__scaled_mm_mm_0": "Triton (compiled)",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+        "::{lambda(c10::Float8_e4m3fn)#1}>": "copy and fill",
+        "aten::_scaled_mm": "float8 matmul",
+        "aten::mm": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
         "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true, true>": "attention",
         "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "Triton (compiled)",
