@@ -16,10 +16,12 @@ The variants train the same model on the same data with the same FSDP2 bf16 poli
 * ``float8-<recipe>`` (``float8-tensorwise``, ``float8-rowwise``, ``float8-rowwise_with_gw_hp``): the ``modelpar``
   variant with ``ParallelPlan(float8=<recipe>)`` (torchao's float8 training; ``bench_mfu.py --float8``). On the CPU
   smoke check it is emulated (float8's casts and scales, high-precision multiplies): its speed means nothing there;
-* ``float8-tensorwise-bf16gather``: tensorwise with FSDP2's float8 all-gather off (``all_gather=False``): weights
-  gathered in bf16 and cast inside the compiled blocks. On one GPU there is nothing to gather, and torchtitan turns
-  the float8 all-gather on only when FSDP shards over more than one rank; beside ``float8-tensorwise`` it shows what
-  the float8 all-gather's casts in FSDP2's eager hooks cost there (:data:`FLOAT8_SETTINGS`).
+* ``float8-tensorwise-float8gather`` and ``float8-tensorwise-bf16gather``: tensorwise with FSDP2's float8
+  all-gather forced on (``all_gather=True``) and off (``all_gather=False``: weights gathered in bf16 and cast inside
+  the compiled blocks). On one GPU there is nothing to gather, and modelpar's default, like torchtitan, turns the
+  float8 all-gather on only where FSDP2 shards over more than one rank, so there ``float8-tensorwise`` is
+  ``-bf16gather``; ``-float8gather`` beside it shows what the float8 all-gather's casts in FSDP2's eager hooks cost
+  (:data:`FLOAT8_SETTINGS`).
 * ``torch-float8-<setting>`` (each of :data:`FLOAT8_SETTINGS`): the ``torch`` variant with torchao's float8
   training applied by hand, as torchao's documentation and torchtitan apply it (no modelpar): the same recipe and
   float8 all-gather as ``float8-<setting>``, the scales recomputed after each optimizer step. Measured against
@@ -164,11 +166,17 @@ def device_name() -> str:
 
 
 #: The float8 settings the benchmark runs: name -> (torchao's recipe, ``Float8Training(all_gather=...)``). Each
-#: recipe as modelpar's default sets it, and tensorwise with the float8 all-gather off.
+#: recipe as modelpar's default sets it (tensorwise on one GPU: weights gathered in bf16, FSDP2 sharding over one
+#: rank), tensorwise with FSDP2's float8 all-gather forced on (what the default does where FSDP2 shards over several
+#: ranks), and forced off (on one GPU, the default's own choice since 2026-11-28).
 FLOAT8_SETTINGS: dict[str, tuple[str, bool | None]] = {
     **{recipe: (recipe, None) for recipe in RECIPES},
+    "tensorwise-float8gather": ("tensorwise", True),
     "tensorwise-bf16gather": ("tensorwise", False),
 }
+#: FSDP2's shard size in every run: one process, one rank. The by-hand variants decide the float8 all-gather for it
+#: by modelpar's rule, so that a setting differs between the two only in who applies it.
+BENCH_SHARD_SIZE = 1
 
 
 def plan(args: argparse.Namespace, float8: str | None = None) -> Any:
@@ -520,7 +528,7 @@ def float8_by_hand(model: torch.nn.Module, setting: str) -> Callable[[torch.nn.M
 
     recipe, all_gather = FLOAT8_SETTINGS[setting]
     # Whether to all-gather in float8: modelpar's rule for the setting, so that only who applies it differs.
-    gathers = Float8Training(recipe, all_gather=all_gather).gathers_in_float8  # type: ignore[arg-type]
+    gathers = Float8Training(recipe, all_gather=all_gather).gathers_in_float8_over(BENCH_SHARD_SIZE)  # type: ignore[arg-type]
     config = replace(
         Float8LinearConfig.from_recipe_name(recipe),
         enable_fsdp_float8_all_gather=gathers,

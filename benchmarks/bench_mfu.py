@@ -55,8 +55,10 @@ Each run's wall time is split into its phases (``(modelpar: run 37.0 s: start-up
 timed steps ..., exit ..., the rest ...)`` after the run, and a ``[time]`` line of their medians at the end), so a
 benchmark that takes too long (``gpu-check.sh`` runs it and must stay under 5 minutes) says where.
 
-``--float8 tensorwise-bf16gather`` runs tensorwise with FSDP2's float8 all-gather off (weights gathered in bf16 and
-cast inside the compiled blocks): beside ``tensorwise`` on one GPU, what the float8 all-gather's eager casts cost.
+``--float8 tensorwise-float8gather`` runs tensorwise with FSDP2's float8 all-gather forced on, which modelpar's
+default turns on only where FSDP2 shards over several ranks: beside ``tensorwise`` on one GPU (weights gathered in
+bf16 and cast inside the compiled blocks), what the float8 all-gather's eager casts cost. ``tensorwise-bf16gather``
+forces it off (on one GPU, the default's own choice since 2026-11-28).
 
 ``--by-hand`` (with ``--float8``) also runs each setting by hand, ``torch-float8-<setting>``: the ``torch`` variant
 converted with torchao's API as its documentation and torchtitan do it, no modelpar. Each float8 variant is measured
@@ -152,7 +154,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="RECIPES",
         help=f"float8 against bf16: a comma list of {', '.join(FLOAT8_SETTINGS)} (adds float8-<name> variants;"
-        " tensorwise-bf16gather: tensorwise with FSDP2's float8 all-gather off)",
+        " tensorwise-float8gather / -bf16gather: tensorwise with FSDP2's float8 all-gather forced on / off)",
     )
     p.add_argument(
         "--by-hand",

@@ -172,7 +172,8 @@ def _estimate_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
         choices=list(RECIPES),
         metavar="RECIPE",
         help=f"the plan's float8 ({', '.join(RECIPES)}): the linear layers modelpar.float8 converts, their weights"
-        " all-gathered in float8 (tensorwise), compiled layers' smaller activations, the casts of a layer's backward",
+        " all-gathered in float8 (tensorwise, where FSDP2 shards over more than one rank), compiled layers' smaller"
+        " activations, the casts of a layer's backward",
     )
     estimate.add_argument("--sequence-parallel", action="store_true", help="the plan's sequence_parallel")
     estimate.add_argument("--loss-parallel", action="store_true", help="the plan's loss_parallel")

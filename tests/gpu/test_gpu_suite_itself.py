@@ -515,18 +515,24 @@ def test_the_float8_roofline_counts_the_multiplies_and_casts_of_the_converted_la
 
 
 def test_the_benchmark_runs_tensorwise_with_and_without_the_float8_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--float8 tensorwise,tensorwise-bf16gather``: the same recipe, FSDP2's float8 all-gather on (modelpar's
-    default) and off, so one GPU run shows what its casts in FSDP2's eager hooks cost where nothing is gathered."""
+    """``--float8 tensorwise,tensorwise-float8gather``: the same recipe, as modelpar's default sets it on one GPU
+    (FSDP2 shards over one rank: weights gathered in bf16) and with FSDP2's float8 all-gather forced on, so one GPU
+    run shows what its casts in FSDP2's eager hooks cost where nothing is gathered; ``-bf16gather`` forces it off."""
     monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
     import bench_mfu
-    from _mfu_variants import RUNNERS, plan
+    from _mfu_variants import BENCH_SHARD_SIZE, RUNNERS, plan
 
-    args = bench_mfu.parse(["--float8", "tensorwise,tensorwise-bf16gather", "--no-compile"])
-    assert args.variants == "modelpar,float8-tensorwise,float8-tensorwise-bf16gather", args.variants
-    assert {"float8-tensorwise", "float8-tensorwise-bf16gather"} <= set(RUNNERS)
-    default, off = plan(args, "tensorwise").float8, plan(args, "tensorwise-bf16gather").float8
-    assert default.recipe == off.recipe == "tensorwise", (default, off)
-    assert default.gathers_in_float8 and not off.gathers_in_float8, (default, off)
+    args = bench_mfu.parse(["--float8", "tensorwise,tensorwise-float8gather,tensorwise-bf16gather", "--no-compile"])
+    assert args.variants == (
+        "modelpar,float8-tensorwise,float8-tensorwise-float8gather,float8-tensorwise-bf16gather"
+    ), args.variants
+    assert {"float8-tensorwise", "float8-tensorwise-float8gather", "float8-tensorwise-bf16gather"} <= set(RUNNERS)
+    default, on, off = (
+        plan(args, s).float8 for s in ("tensorwise", "tensorwise-float8gather", "tensorwise-bf16gather")
+    )
+    assert default.recipe == on.recipe == off.recipe == "tensorwise", (default, on, off)
+    gathers = [spec.gathers_in_float8_over(BENCH_SHARD_SIZE) for spec in (default, on, off)]
+    assert gathers == [False, True, False], (default, on, off)
     with pytest.raises(SystemExit):
         bench_mfu.parse(["--float8", "rowwise-bf16gather"])
 
@@ -610,7 +616,8 @@ def test_float8_by_hand_runs_against_torch_in_bf16_and_is_set_beside_modelpars(
 
 def test_the_float8_by_hand_conversion_is_torchaos_own_as_the_setting_says(monkeypatch: pytest.MonkeyPatch) -> None:
     """``float8_by_hand``: every linear layer but the output layer, torchao's wrapped weights and the scales to
-    precompute after each step only where the setting all-gathers in float8 (tensorwise, as modelpar's default)."""
+    precompute after each step only where the setting all-gathers in float8 (as modelpar's rule decides it for one
+    rank: tensorwise forced on)."""
     pytest.importorskip("torchao.float8", reason="torchao.float8 does not import: the by-hand variants need it")
     monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
     from _mfu_variants import float8_by_hand
@@ -618,7 +625,8 @@ def test_the_float8_by_hand_conversion_is_torchaos_own_as_the_setting_says(monke
     from modelpar.models import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=32)
-    for setting, gathers in (("tensorwise", True), ("tensorwise-bf16gather", False), ("rowwise", False)):
+    settings = (("tensorwise", False), ("tensorwise-float8gather", True), ("tensorwise-bf16gather", False))
+    for setting, gathers in (*settings, ("rowwise", False)):
         with torch.device("meta"):
             model = Llama(cfg)
         precompute = float8_by_hand(model, setting)

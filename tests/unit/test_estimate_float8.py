@@ -142,8 +142,9 @@ def test_tensor_parallel_casts_count_the_local_features():
     one = estimate("tensorwise", dp=1, seq_len=128, micro_batch_size=2)
     two = estimate("tensorwise", dp=1, tp=2, seq_len=128, micro_batch_size=2)
     assert one.float8 is not None and two.float8 is not None
-    # w1 colwise: out features 64 -> 32 per rank; w2 rowwise: in features 64 -> 32.
-    assert two.float8.casts == backward_casts(256, 32, 32, recipe="tensorwise", weight=True, fused=False)
+    # w1 colwise: out features 64 -> 32 per rank; w2 rowwise: in features 64 -> 32. FSDP2 shards over one rank, so
+    # the weights are gathered in bf16 and the backward casts them too.
+    assert two.float8.casts == backward_casts(256, 32, 32, recipe="tensorwise", weight=False, fused=False)
     assert two.float8.casts < one.float8.casts
 
 
@@ -311,9 +312,11 @@ def one_rank_mesh() -> Iterator[DeviceMesh]:
 
 
 @needs_torchao
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fsdp2_gathers_the_unit_the_estimate_counts(one_rank_mesh, recipe):
-    plan = LLAMA_PLAN.replace(float8=Float8Training(recipe, emulate=True))
+@pytest.mark.parametrize(("recipe", "all_gather"), [("tensorwise", True), ("tensorwise", None), ("rowwise", None)])
+def test_fsdp2_gathers_the_unit_the_estimate_counts(one_rank_mesh, recipe, all_gather):
+    """On one rank the tensorwise default gathers in bf16 (nothing to gather, so no float8 all-gather), and
+    ``all_gather=True`` gathers in float8 anyway: the estimate counts what FSDP2 gathers in each case."""
+    plan = LLAMA_PLAN.replace(float8=Float8Training(recipe, all_gather=all_gather, emulate=True))
     model = plan(calibration_model("llama", 128).to(torch.bfloat16), one_rank_mesh)
     layer = model.layers[0]
     measured, _ = live_after(layer.unshard)
@@ -322,8 +325,17 @@ def test_fsdp2_gathers_the_unit_the_estimate_counts(one_rank_mesh, recipe):
         calibration_model("llama", 128, meta=True), plan=plan, data_parallel_size=1, precision="bf16-true"
     )
     assert e.largest_unit == "layers.0"
-    scales = 4 * 7 if recipe == "tensorwise" else 0  # the float8 weights' fp32 scales, not counted
+    assert e.float8 is not None and e.float8.gathers_in_float8 is bool(all_gather)
+    scales = 4 * 7 if all_gather else 0  # the float8 weights' fp32 scales, not counted
     assert e.gathered_unit + scales <= measured <= e.gathered_unit + scales + 8
+    if not all_gather:
+        forced = estimate_memory(
+            calibration_model("llama", 128, meta=True),
+            plan=LLAMA_PLAN.replace(float8=Float8Training("tensorwise", all_gather=True, emulate=True)),
+            data_parallel_size=1,
+            precision="bf16-true",
+        )
+        assert forced.gathered_unit < e.gathered_unit  # float8 weights, one byte an element
 
 
 def measure_activations(recipe: str | None, checkpointing: str, dtype: torch.dtype, backend: str | None = None) -> int:

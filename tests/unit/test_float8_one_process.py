@@ -58,6 +58,21 @@ def test_a_recipe_name_is_shorthand_for_its_spec_and_every_recipe_is_offered():
 
 
 @pytest.mark.parametrize(
+    ("spec", "shard_size", "gathers"),
+    [
+        (Float8Training("tensorwise"), 1, False),  # one GPU, or TP alone: nothing to gather (torchtitan's rule)
+        (Float8Training("tensorwise"), 2, True),
+        (Float8Training("tensorwise"), None, True),  # not known (convert given only a device type): as before
+        (Float8Training("tensorwise", all_gather=True), 1, True),
+        (Float8Training("tensorwise", all_gather=False), 8, False),
+        (Float8Training("rowwise"), 8, False),
+    ],
+)
+def test_the_float8_all_gather_is_on_by_default_only_where_fsdp2_shards_over_several_ranks(spec, shard_size, gathers):
+    assert spec.gathers_in_float8_over(shard_size) is gathers
+
+
+@pytest.mark.parametrize(
     ("make", "error", "match"),
     [
         (lambda: ParallelPlan(float8="fp8"), ValueError, r"float8='fp8'\) is not a float8 recipe.*'tensorwise'"),
@@ -173,6 +188,28 @@ def test_the_strategy_option_goes_to_its_plan_and_is_refused_for_a_function_of_o
         ModelParallelStrategy(my_parallelize, float8="rowwise")
     with pytest.raises(ValueError, match=r"disagree\. Set float8 in one place"):
         ModelParallelStrategy(LLAMA_PLAN.replace(float8="tensorwise"), float8="rowwise")
+
+
+def test_convert_reads_the_shard_size_off_the_strategys_mesh(caplog):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        by_default, forced = Llama(CFG), Llama(CFG)
+        with caplog.at_level("INFO"):
+            convert(by_default, Float8Training("tensorwise", emulate=True), device_mesh=mesh)
+        convert(forced, Float8Training("tensorwise", all_gather=True, emulate=True), device_mesh=mesh)
+        assert not by_default.layers[0].attention.wq.config.enable_fsdp_float8_all_gather
+        assert forced.layers[0].attention.wq.config.enable_fsdp_float8_all_gather
+        assert "float8 (tensorwise, all-gathered in high precision: FSDP2 shards over 1 rank" in caplog.text
+        with pytest.raises(ValueError, match=r"convert\(device_type='cuda'\) disagrees with its `device_mesh`.*'cpu'"):
+            convert(Llama(CFG), Float8Training("tensorwise", emulate=True), device_type="cuda", device_mesh=mesh)
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(TypeError, match=r"convert\(\) needs `device_mesh`.*or `device_type`"):
+        convert(Llama(CFG), Float8Training("tensorwise", emulate=True))
 
 
 # -- what runs only on CUDA, decided on CPU -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def with_float8(parallelize_fn: Any, float8: Float8Training | None, strategy_nam
         f"`{strategy_name}(float8={float8.recipe!r})` goes to the plan the strategy applies, but `parallelize_fn`"
         f" ({name}) is a function of your own, whose steps the strategy cannot reorder (float8 comes before tensor"
         " parallelism and FSDP). Convert the model first in your function, `modelpar.float8.convert(model,"
-        f" Float8Training({float8.recipe!r}), device_type=device_mesh.device_type)`, and drop the strategy's"
+        f" Float8Training({float8.recipe!r}), device_mesh=device_mesh)`, and drop the strategy's"
         " `float8`; or pass a `modelpar.plans.ParallelPlan`."
     )
 

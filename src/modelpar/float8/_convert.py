@@ -2,8 +2,9 @@
 
 :func:`convert` is the first step of a plan that names a recipe (float8 -> TP -> activation checkpointing ->
 compile -> FSDP, torchtitan's order): tensor parallelism then shards ``Float8Linear`` layers, and FSDP2 shards
-their high-precision weights (all-gathered in float8 under the tensorwise recipe). The choice reads only names,
-types and shapes, so every rank makes the same one, and refuses the same way, before any collective.
+their high-precision weights (all-gathered in float8 under the tensorwise recipe where FSDP2 shards them over
+more than one rank). The choice reads only names, types, shapes and the mesh's sizes, so every rank makes the same
+one, and refuses the same way, before any collective.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from modelpar._mesh.submeshes import fsdp_mesh
 from modelpar._rank_zero import rank_zero_info
 from modelpar.float8._spec import Float8Training
 from modelpar.float8._state import keep_state_dicts_plain
@@ -127,30 +130,53 @@ def convert(
     model: nn.Module,
     spec: Float8Training,
     *,
-    device_type: str,
+    device_type: str | None = None,
+    device_mesh: DeviceMesh | None = None,
     styles: Mapping[str, StyleSpec] | None = None,
     tensor_parallel_size: int = 1,
     experts: tuple[str, ...] = (),
 ) -> list[str]:
     """Swap the chosen ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear`` in place; their names.
 
-    Parameters keep their names and their (meta or real) tensors. Raises, identically on every rank, for no
-    torchao, a device without float8 kernels (unless emulating) and layers the kernels cannot take.
+    ``device_mesh`` (the strategy's, as ``parallelize_fn`` gets it) gives the device and how many ranks FSDP2
+    shards each weight over, which decides the tensorwise recipe's float8 all-gather when ``spec.all_gather`` is
+    unset (:meth:`Float8Training.gathers_in_float8_over`); ``device_type`` alone leaves that number unknown, and
+    the all-gather on. Parameters keep their names and their (meta or real) tensors. Raises, identically on every
+    rank, for no torchao, a device without float8 kernels (unless emulating) and layers the kernels cannot take.
     """
+    device_type, shard_size = _placement(device_type, device_mesh)
     float8 = require_torchao()
     capability = torch.cuda.get_device_capability() if device_type == "cuda" and torch.cuda.is_available() else None
     check_float8_device(device_type, capability, emulate=spec.emulate)
     chosen, kept = float8_layers(model, spec, styles=styles, tensor_parallel_size=tensor_parallel_size, experts=experts)
+    gathers = spec.gathers_in_float8_over(shard_size)
     config = dataclasses.replace(
         float8.Float8LinearConfig.from_recipe_name(spec.recipe),
         emulate=spec.emulate,
-        enable_fsdp_float8_all_gather=spec.gathers_in_float8,
+        enable_fsdp_float8_all_gather=gathers,
     )
     wanted = set(chosen)
     float8.convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in wanted, config=config)
     keep_state_dicts_plain(model)
-    _report(model, spec, chosen, kept)
+    _report(model, spec, chosen, kept, gathers=gathers, shard_size=shard_size)
     return chosen
+
+
+def _placement(device_type: str | None, device_mesh: DeviceMesh | None) -> tuple[str, int | None]:
+    """The device type and FSDP2's shard size (``None``: unknown) from :func:`convert`'s arguments."""
+    if device_mesh is None:
+        if device_type is None:
+            raise TypeError(
+                "modelpar.float8.convert() needs `device_mesh` (the strategy's, as `parallelize_fn` gets it) or"
+                " `device_type`."
+            )
+        return device_type, None
+    if device_type is not None and device_type != device_mesh.device_type:
+        raise ValueError(
+            f"modelpar.float8.convert(device_type={device_type!r}) disagrees with its `device_mesh`, whose device"
+            f" type is {device_mesh.device_type!r}. Pass `device_mesh` alone."
+        )
+    return device_mesh.device_type, fsdp_mesh(device_mesh).shape[-1]
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -187,8 +213,21 @@ def _refuse_fused(name: str, module: nn.Module) -> None:
         )
 
 
-def _report(model: nn.Module, spec: Float8Training, chosen: list[str], kept: dict[str, str]) -> None:
-    gathered = ", all-gathered in float8 by FSDP2" if spec.gathers_in_float8 else ""
+def _report(
+    model: nn.Module,
+    spec: Float8Training,
+    chosen: list[str],
+    kept: dict[str, str],
+    *,
+    gathers: bool,
+    shard_size: int | None,
+) -> None:
+    if gathers:
+        gathered = ", all-gathered in float8 by FSDP2"
+    elif spec.all_gather is None and spec.recipe == "tensorwise":  # the default's choice, said since it is one
+        gathered = f", all-gathered in high precision: FSDP2 shards over {shard_size} rank, nothing to gather"
+    else:
+        gathered = ""
     emulated = ", emulated" if spec.emulate else ""
     message = (
         f"float8 ({spec.recipe}{gathered}{emulated}): {len(chosen)} linear layer(s) of {type(model).__name__}"

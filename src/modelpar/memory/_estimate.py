@@ -200,7 +200,7 @@ def estimate_memory(
     policy = plan.mp_policy if plan.mp_policy is not None else options.mp_policy
     refuse_hugging_face_experts(model, plan.experts, layout.expert_parallel_size)
     plan.check(model, tp, cp, layout.expert_parallel_size)
-    choice = choose_layers(model, plan, tp, layout.expert_parallel_size)
+    choice = choose_layers(model, plan, tp, layout.expert_parallel_size, shard)
     experts = expert_units(model, plan.experts, layout.expert_parallel_size)
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel) if tp > 1 else {}
     if experts:  # as the plan applies them: under expert parallelism, experts are not tensor-parallel

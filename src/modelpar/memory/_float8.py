@@ -7,12 +7,12 @@ styles, tensor-parallel size and experts). Notation of :mod:`modelpar.memory._ac
 tokens, ``I`` / ``O`` its input / output features on one tensor-parallel rank, ``W = I O``.
 
 - **State**: unchanged. The master weights, their gradients and the optimizer states stay in high precision.
-- **Gathered weights**: under the float8 all-gather (the tensorwise recipe unless ``all_gather=False``:
-  ``Float8Training.gathers_in_float8``) FSDP2 all-gathers each converted weight as float8
-  (``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``): one byte an element (FSDP2's padding included) instead
-  of the compute dtype's, in every gathered unit (the root's from forward through backward too) and in what each
-  all-gather moves. The unit's unsharded gradients stay in the compute dtype. Other recipes all-gather as before and
-  cast a float8 copy of the weight at each use.
+- **Gathered weights**: under the float8 all-gather (the tensorwise recipe where FSDP2 shards over more than one
+  rank, unless ``all_gather`` says otherwise: ``Float8Training.gathers_in_float8_over``) FSDP2 all-gathers each
+  converted weight as float8 (``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``): one byte an element
+  (FSDP2's padding included) instead of the compute dtype's, in every gathered unit (the root's from forward through
+  backward too) and in what each all-gather moves. The unit's unsharded gradients stay in the compute dtype. Other
+  recipes, and tensorwise over one rank, all-gather as before and cast a float8 copy of the weight at each use.
 - **Activations, eager**: unchanged. ``matmul_with_hp_or_float8_args`` saves its high-precision input and weight
   (``ctx.save_for_backward(input_hp, weight_hp_t)``), as ``nn.Linear`` does, and casts them again in backward; under
   activation checkpointing the same outputs are kept (the float8 multiply is a matmul for the selective policy).
@@ -67,13 +67,14 @@ _ROUTERS = ("gate", "router")
 
 @dataclass(frozen=True)
 class Float8Choice:
-    """The float8 layers of an estimate: the spec, the converted layers, those kept in high precision (with why), and
-    the parameters FSDP2 all-gathers in float8."""
+    """The float8 layers of an estimate: the spec, the converted layers, those kept in high precision (with why), the
+    parameters FSDP2 all-gathers in float8, and whether it does (the spec's rule for the layout's shard size)."""
 
     spec: Float8Training
     layers: tuple[str, ...]
     kept: Mapping[str, str]
     gathered_weights: frozenset[str]
+    gathers_in_float8: bool
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,19 @@ def with_float8(plan: ParallelPlan, float8: object) -> ParallelPlan:
     return plan.replace(float8=spec)
 
 
-def choose_layers(model: nn.Module, plan: ParallelPlan, tp: int, ep: int) -> Float8Choice | None:
+def choose_layers(model: nn.Module, plan: ParallelPlan, tp: int, ep: int, shard: int) -> Float8Choice | None:
     """The plan's float8 layers at this tensor- and expert-parallel size (``None`` without float8), chosen by
-    :func:`modelpar.float8.float8_layers` with the styles the plan resolves, as its conversion does."""
+    :func:`modelpar.float8.float8_layers` with the styles the plan resolves, as its conversion does; their weights
+    gathered in float8 as the conversion decides for FSDP2's ``shard`` size."""
     if plan.float8 is None or isinstance(plan.float8, str):  # a plan makes a recipe name a Float8Training
         return None
     styles = resolve_styles(model, plan.tensor_parallel, sequence_parallel=plan.sequence_parallel)
     if ep > 1:
         styles = drop_expert_styles(styles, moe_modules(model, plan.experts, ep))
     layers, kept = float8_layers(model, plan.float8, styles=styles, tensor_parallel_size=tp, experts=plan.experts)
-    gathered = frozenset(f"{name}.weight" for name in layers) if plan.float8.gathers_in_float8 else frozenset()
-    return Float8Choice(plan.float8, tuple(layers), dict(kept), gathered)
+    gathers = plan.float8.gathers_in_float8_over(shard)
+    gathered = frozenset(f"{name}.weight" for name in layers) if gathers else frozenset()
+    return Float8Choice(plan.float8, tuple(layers), dict(kept), gathered, gathers)
 
 
 def float8_decoder_layers(model: nn.Module, choice: Float8Choice) -> frozenset[int]:
@@ -206,7 +209,7 @@ def float8_report(
         recipe=choice.spec.recipe,
         converted=len(choice.layers),
         kept=tuple(choice.kept.items()),
-        gathers_in_float8=choice.spec.gathers_in_float8,
+        gathers_in_float8=choice.gathers_in_float8,
         emulate=choice.spec.emulate,
         all_gather=sum(count.received.values()),
         all_gather_without_float8=sum(count.received_without_float8.values()),

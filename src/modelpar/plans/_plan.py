@@ -286,7 +286,7 @@ class ParallelPlan:
             convert(
                 model,
                 self._float8,
-                device_type=device_mesh.device_type,
+                device_mesh=device_mesh,
                 styles=styles,
                 tensor_parallel_size=tp,
                 experts=self.experts,
