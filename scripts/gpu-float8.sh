@@ -6,9 +6,10 @@
 # machine's 10-minute call less a margin), in this order, the one that answers most first:
 #   profile-1b  bench_mfu.py --profile 3 on the 1.07B model (AC selective, as gpu-check.sh runs it): modelpar in bf16
 #            and in float8 tensorwise, each kernel kind's milliseconds (the casts: Triton and copies), 2 runs, ~90 s
-#   repeats  the goal's figure with its spread: tensorwise against bf16 on the 1.07B model, 3 rounds, then at dim
-#            4096 (AC none), 2 rounds: whether 2026-11-28's one-run ratios and the 2.29% loss gap at dim 4096 hold
-#            (10 runs, ~330 s)
+#   repeats  the goal's figure with its spread: tensorwise against bf16 on the 1.07B model, 3 rounds with Lightning
+#            beside them (issue 25's set-up ratio: 0.86x on 2026-11-27, 1.70x in one run of 2026-11-28 whose other
+#            modelpar runs gave 1.02-1.09x), then at dim 4096 (AC none), 2 rounds: whether 2026-11-28's one-run
+#            ratios and the 2.29% loss gap at dim 4096 hold (13 runs, ~420 s)
 #   gemm     the float8 multiplies alone (bench_float8_gemm.py; torch only) at the dim-4096 model's shapes, then at
 #            the 1.07B model's (~20 s each): do the kernels reach float8's rate on this stack?
 #   profile  bench_mfu.py --profile 3 at dim 4096 (Llama 3 8B's layer shapes, 4 layers, AC none): modelpar and
@@ -62,7 +63,7 @@ fi
 
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(profile-1b repeats gemm profile rowwise)
-declare -A estimate=([profile-1b]=90 [repeats]=330 [gemm]=45 [profile]=330 [rowwise]=150)
+declare -A estimate=([profile-1b]=90 [repeats]=420 [gemm]=45 [profile]=330 [rowwise]=150)
 for step in "${steps[@]}"; do
   [ -n "${estimate[$step]+x}" ] || {
     echo "gpu-float8: unknown step '$step': choose from profile-1b, repeats, gemm, profile, rowwise" >&2
@@ -86,7 +87,7 @@ for step in "${steps[@]}"; do
         --float8 tensorwise ${quick[@]+"${quick[@]}"} 2>&1 | tee "$OUT/profile-1b.txt" ;;
     repeats)
       # both models, the second whatever the first gave; the step fails if either did
-      ( "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --repeats 3 --variants modelpar \
+      ( "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --repeats 3 --variants modelpar,lightning \
           --float8 tensorwise ${quick[@]+"${quick[@]}"}; first=$?
         "$PYTHON" benchmarks/bench_mfu.py "${wide[@]}" --ac none --repeats 2 --variants modelpar --float8 tensorwise \
           ${quick[@]+"${quick[@]}"} && exit "$first"
