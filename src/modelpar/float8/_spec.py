@@ -47,8 +47,8 @@ class Float8Training:
             computed in one all-reduce before the forward that needs them. ``None``: on for ``"tensorwise"``, the
             only recipe that supports it, where FSDP2 shards each weight over more than one rank, and off where it
             shards over one (a single GPU, tensor parallelism alone): there nothing is gathered, and the float8
-            casts, which run in FSDP2's eager hooks, only cost time (on an H200, 2026-11-28: 1.148x bf16's
-            tokens/s with them, 1.226x without). torchtitan turns it on by the same rule. ``True`` forces it on
+            casts, which run in FSDP2's eager hooks, only cost time (on an H200, 2026-11-28: 1.140x bf16's
+            tokens/s with them, 1.218x without). torchtitan turns it on by the same rule. ``True`` forces it on
             (refused with another recipe), ``False`` off.
         emulate: run float8's casts and scales but multiply in high precision, on any device (CPU included): the
             numerics of float8 training without its kernels, for tests and for checking a recipe without an
