@@ -310,9 +310,6 @@ _NVJET_FLOAT8 = re.compile(r"nvjet_(?:sm\d+_)?[qr]{2}")
 #: (``triton_red_fused__scaled_mm__to_copy_abs_amax_...``), which until 2026-11-28 put float8's casts among the float8
 #: multiplies. Triton's templates (``triton_tem_``) can be multiplies, and are read by their words.
 _INDUCTOR_KERNEL = re.compile(r"^triton_(?:poi|red|per)_")
-#: Profiler ranges that are not kernels: a ``record_function`` (``Optimizer.step#AdamW.step``, FSDP's) shows on the
-#: GPU's timeline as a range over the kernels it launched, whose time it would count twice.
-_ANNOTATION_FLAG = "is_user_annotation"
 
 
 def kernel_kind(name: str) -> str:
@@ -362,7 +359,8 @@ def profile_steps(step: Step, data: list[Batch], n: int, top: int = 12) -> dict[
     host_ops = sum(e.count for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::"))
     if on_gpu:  # the kernels; without kernel events of their own, the operators' device time (nested ops excluded)
         events = [e for e in events if e.device_type == DeviceType.CUDA] or events
-        events = [e for e in events if not getattr(e, _ANNOTATION_FLAG, False)]
+        # a record_function's range on the GPU timeline (the optimizer step's, FSDP's) spans kernels counted already
+        events = [e for e in events if not getattr(e, "is_user_annotation", False)]
     per_kernel: dict[str, tuple[float, int]] = {}
     for event in events:
         micros = event.self_device_time_total if on_gpu else event.self_cpu_time_total

@@ -224,7 +224,7 @@ def _report(
 ) -> None:
     if gathers:
         gathered = ", all-gathered in float8 by FSDP2"
-    elif spec.all_gather is None and spec.recipe == "tensorwise":  # the default's choice, said since it is one
+    elif spec.gathers_in_float8:  # would gather in float8 over several ranks: the rule's choice here, so said
         gathered = f", all-gathered in high precision: FSDP2 shards over {shard_size} rank, nothing to gather"
     else:
         gathered = ""
