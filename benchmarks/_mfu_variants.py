@@ -89,6 +89,8 @@ class RunResult:
     tokens_per_s: float | None = None
     step_s: list[float] | None = None
     setup_s: float | None = None
+    #: ``torch.compile``'s first call, made before the set-up's timer (:func:`load_compiler`); ``None`` without compile
+    compiler_s: float | None = None
     warmup_s: float | None = None
     peak_gib: float | None = None
     compiled_graphs: int | None = None
@@ -251,6 +253,27 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def sync() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
+
+
+def load_compiler() -> float:
+    """Seconds of ``torch.compile``'s first call in this process, made here, on a function that is never run.
+
+    Why before the set-up's timer: the first ``torch.compile`` of a process imports torch's compiler stack (Dynamo
+    and inductor, about 550 modules: 0.9-1.0 s of the 2.2-2.5 s that a one-rank set-up of a 0.2B model took on the
+    2-core CPU on 2026-11-28), and every variant's set-up makes that call (the plan's ``compile``;
+    ``block.compile()`` by hand). Inside the timer those imports are the same work in every variant, as slow as the
+    machine's file cache makes them at that moment: on 2026-11-28 modelpar's set-up on an H200 read 4.30 s in one
+    run and 2.58-2.76 s in five others, and the slow runs' start-up (the imports before ``main``) was slow too. Made
+    here, the set-up compares what the strategies do; the import is reported beside it (``compiler_s``), so the
+    set-up as measured before is their sum.
+    """
+    start = time.perf_counter()
+    torch.compile(_never_run)
+    return time.perf_counter() - start
+
+
+def _never_run(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -627,6 +650,8 @@ def run_worker(args: argparse.Namespace) -> None:
         result.torchao_version = metadata.version("torchao")
     cfg = config(args)
     data = batches(cfg, args, args.warmup + args.steps)
+    if not args.no_compile:
+        result.compiler_s = load_compiler()
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -646,8 +671,11 @@ def run_worker(args: argparse.Namespace) -> None:
         if DEVICE.type == "cuda":
             result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
             memory = f", peak {result.peak_gib:.1f} GiB"
+        compiler = ""
+        if result.compiler_s is not None:
+            compiler = f" (torch.compile's imports before it: {result.compiler_s:.2f} s)"
         print(
-            f"{name}: {result.tokens_per_s:.0f} tokens/s{memory}, set-up {timing.setup_s:.2f} s,"
+            f"{name}: {result.tokens_per_s:.0f} tokens/s{memory}, set-up {timing.setup_s:.2f} s{compiler},"
             f" first {args.warmup} steps {timing.warmup_s:.1f} s, compiled graphs {result.compiled_graphs}",
             flush=True,
         )

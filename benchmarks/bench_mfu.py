@@ -35,10 +35,11 @@ conventions,
 
 the ratios modelpar / torch by hand and modelpar / Lightning, the peak memory (``torch.cuda.max_memory_allocated``)
 beside modelpar's ``estimate_memory`` for the same model and plan, the set-up time (the meta-device model until it
-is sharded and materialized) and the graphs each run compiled (none under compile: it ran eagerly). ``--sweep`` runs
-modelpar alone over batch sizes and sequence lengths (2k, 8k) and names the fastest configuration that fits;
-out-of-memory configurations are noted and skipped. Record results in ``benchmarks/RESULTS.md`` with the date, GPU
-and versions.
+is sharded and materialized, timed after ``torch.compile``'s first call has imported torch's compiler stack, whose
+seconds are reported beside it: ``_mfu_variants.load_compiler``) and the graphs each run compiled (none under
+compile: it ran eagerly). ``--sweep`` runs modelpar alone over batch sizes and sequence lengths (2k, 8k) and
+names the fastest configuration that fits; out-of-memory configurations are noted and skipped. Record results in
+``benchmarks/RESULTS.md`` with the date, GPU and versions.
 
 ``--float8 RECIPE[,RECIPE]`` (issue 29) puts float8 training against bf16 on the same model, plan and data:
 ``modelpar`` in bf16 and ``float8-<recipe>`` (the same plan with ``float8=<recipe>``, torchao's float8 training),
@@ -51,9 +52,10 @@ of the per-step losses over the timed steps (each variant's curve: the per-step 
 a GPU of compute capability below 8.9) gets the reason and no float8 run; without a GPU the float8 variants are
 emulated (the smoke check: their figures mean nothing).
 
-Each run's wall time is split into its phases (``(modelpar: run 37.0 s: start-up ..., set-up ..., warm-up ...,
-timed steps ..., exit ..., the rest ...)`` after the run, and a ``[time]`` line of their medians at the end), so a
-benchmark that takes too long (``gpu-check.sh`` runs it and must stay under 5 minutes) says where.
+Each run's wall time is split into its phases (``(modelpar: run 37.0 s: start-up ..., compile imports ...,
+set-up ..., warm-up ..., timed steps ..., exit ..., the rest ...)`` after the run, and a ``[time]`` line of their
+medians at the end), so a benchmark that takes too long (``gpu-check.sh`` runs it and must stay under 5 minutes)
+says where.
 
 ``--float8 tensorwise-float8gather`` runs tensorwise with FSDP2's float8 all-gather forced on, which modelpar's
 default turns on only where FSDP2 shards over several ranks: beside ``tensorwise`` on one GPU (weights gathered in
@@ -319,10 +321,12 @@ def spawn(args: argparse.Namespace, variant: str, batch: int, seq: int) -> RunRe
 
 
 def phases(result: RunResult) -> dict[str, float]:
-    """Where a run's wall time went, in order: start-up (interpreter, imports), set-up (meta model to sharded),
-    warm-up (compilation), the timed steps, exit, and the rest (process group, data, building, profiling)."""
+    """Where a run's wall time went, in order: start-up (interpreter, imports), torch.compile's first call (its
+    imports, made before the set-up: ``_mfu_variants.load_compiler``), set-up (meta model to sharded), warm-up
+    (compilation), the timed steps, exit, and the rest (process group, data, building, profiling)."""
     parts = {
         "start-up": result.startup_s or 0.0,
+        "compile imports": result.compiler_s or 0.0,
         "set-up": result.setup_s or 0.0,
         "warm-up": result.warmup_s or 0.0,
         "timed steps": sum(result.step_s or ()),
@@ -472,13 +476,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
         print("\n" + "; ".join(ratios) + " (median tokens/s)")
     setups = {v: statistics.median(r.setup_s or 0.0 for r in rs) for v, rs in runs.items()}
     if setups.get("modelpar") and setups.get("lightning"):
-        by_hand = ""
-        if setups.get("torch"):
-            by_hand = f"; modelpar / torch by hand: {setups['modelpar'] / setups['torch']:.2f}x"
-        print(
-            f"set-up (meta model to sharded and materialized, synchronized): modelpar / Lightning:"
-            f" {setups['modelpar'] / setups['lightning']:.2f}x (goal on a GPU: at most 1.2x){by_hand}"
-        )
+        print(setup_line(runs, setups))
     eager = [v for v, rs in runs.items() if not args.no_compile and any(r.compiled_graphs == 0 for r in rs)]
     if eager:
         print(f"compile was on, but {', '.join(eager)} compiled no graph: it ran eagerly")
@@ -494,6 +492,32 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
         report_profile_roofline(args, runs)
     except Exception as error:  # the float8 summary printed after it matters more: print it all the same
         print(f"(profile against the roofline not computed: {type(error).__name__}: {error})")
+
+
+def setup_line(runs: dict[str, list[RunResult]], setups: dict[str, float]) -> str:
+    """The set-up ratios (modelpar / Lightning against issue 25's goal on a GPU, modelpar / torch by hand), then
+    each bf16 variant's set-up, median and min-max over its runs, and torch.compile's first call, which every run
+    made before its set-up's timer (``_mfu_variants.load_compiler``): a ratio read from one run per variant was
+    1.70x on 2026-11-28 and 1.02-1.09x in the same session's other runs, so the spread is printed beside it."""
+    by_hand = f"; modelpar / torch by hand: {setups['modelpar'] / setups['torch']:.2f}x" if setups.get("torch") else ""
+    spread = {v: [r.setup_s or 0.0 for r in rs] for v, rs in runs.items()}
+    each = [
+        f"{v} {setups[v]:.2f} s ({min(spread[v]):.2f}-{max(spread[v]):.2f})"
+        for v in ("modelpar", "lightning", "torch")
+        if v in setups
+    ]
+    imports = [r.compiler_s for rs in runs.values() for r in rs if r.compiler_s is not None]
+    before = (
+        f"; torch.compile's imports, made before the timer in every run: {statistics.median(imports):.2f} s"
+        f" ({min(imports):.2f}-{max(imports):.2f})"
+        if imports
+        else ""
+    )
+    return (
+        f"set-up (meta model to sharded and materialized, synchronized): modelpar / Lightning:"
+        f" {setups['modelpar'] / setups['lightning']:.2f}x (goal on a GPU: at most 1.2x){by_hand}\n"
+        f"  set-up median (min-max): {', '.join(each)}{before}"
+    )
 
 
 def report_profiles(runs: dict[str, list[RunResult]]) -> None:

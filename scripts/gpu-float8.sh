@@ -8,8 +8,9 @@
 #            and in float8 tensorwise, each kernel kind's milliseconds (the casts: Triton and copies), 2 runs, ~90 s
 #   repeats  the goal's figure with its spread: tensorwise against bf16 on the 1.07B model, 3 rounds with Lightning
 #            beside them (issue 25's set-up ratio: 0.86x on 2026-11-27, 1.70x in one run of 2026-11-28 whose other
-#            modelpar runs gave 1.02-1.09x), then at dim 4096 (AC none), 2 rounds: whether 2026-11-28's one-run
-#            ratios and the 2.29% loss gap at dim 4096 hold (13 runs, ~420 s)
+#            modelpar runs gave 1.02-1.09x; timed since after torch.compile's imports, reported beside it), then
+#            at dim 4096 (AC none), 2 rounds: whether 2026-11-28's one-run ratios and the 2.29% loss gap at
+#            dim 4096 hold (13 runs, ~420 s)
 #   gemm     the float8 multiplies alone (bench_float8_gemm.py; torch only) at the dim-4096 model's shapes, then at
 #            the 1.07B model's (~20 s each): do the kernels reach float8's rate on this stack?
 #   profile  bench_mfu.py --profile 3 at dim 4096 (Llama 3 8B's layer shapes, 4 layers, AC none): modelpar and

@@ -28,8 +28,8 @@ from pathlib import Path
 WIDTH = 200
 #: At most this many failure lines and skip lines (the rest are counted, and are in pytest.log).
 MOST = 12
-#: Lines of the benchmark's output shown when it prints no ``[summary]`` lines.
-BENCH_TAIL = 15
+#: Lines of the benchmark's output shown when it prints no ``[summary]`` lines (its table with the set-up lines under it).
+BENCH_TAIL = 16
 
 
 @dataclass
