@@ -40,12 +40,15 @@ busiest kernels. It answers what a tokens/s figure cannot, such as why float8 wa
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import re
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
@@ -276,6 +279,41 @@ def _never_run(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@contextmanager
+def setup_timer(args: argparse.Namespace) -> Iterator[list[float]]:
+    """Time the set-up inside this block, synchronized on both ends; the seconds are appended to the list it gives.
+
+    With ``--profile-setup N`` the block runs under ``cProfile`` and its N functions of longest cumulative time are
+    printed after it: where a set-up's seconds go on the machine at hand (Python calls, imports, and the
+    synchronization that waits for the device's work), which a ratio alone cannot say. The profiler slows the
+    set-up, so its seconds are then no measurement (the report says so).
+    """
+    profiler = cProfile.Profile() if args.profile_setup else None
+    seconds: list[float] = []
+    sync()
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    yield seconds
+    sync()
+    if profiler is not None:
+        profiler.disable()
+    seconds.append(time.perf_counter() - start)
+    if profiler is not None:
+        print_setup_profile(profiler, args.profile_setup)
+
+
+def print_setup_profile(profiler: cProfile.Profile, top: int) -> None:
+    """The ``top`` functions of the profiled set-up by cumulative time, each with its own time and calls; paths
+    shortened to the package (``torch/...``, ``modelpar/...``) so that runs on different machines compare."""
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][3])[:top]  # type: ignore[attr-defined]
+    print(f"set-up profile (cProfile; the {len(rows)} longest by cumulative time: cumulative s, own s, calls):")
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        where = f"{re.sub(r'^.*?/(site-packages|src)/', '', path)}:{line}({name})" if path != "~" else name
+        print(f"  {cumulative:7.3f} {own:7.3f} {calls:7d}  {where}", flush=True)
+
+
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -409,13 +447,12 @@ def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argpars
     fabric = Fabric(accelerator=DEVICE.type, devices=1, strategy=strategy, precision="bf16-mixed")
     fabric.launch()
     torch.manual_seed(0)
-    sync()
-    start = time.perf_counter()  # set-up: the meta-device model until it is sharded and materialized
-    with fabric.init_module(empty_init=True):
-        model = Llama(cfg)
-    module = fabric.setup_module(model)
-    sync()
-    setup = time.perf_counter() - start
+    with setup_timer(args) as setup:  # the meta-device model until it is sharded and materialized
+        with fabric.init_module(empty_init=True):
+            model = Llama(cfg)
+        module = fabric.setup_module(model)
+    if args.setup_only:
+        return Timing(setup_s=setup[0], warmup_s=0.0, step_s=[], losses=[])
     optimizer: Any = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=1e-4, fused=_fused()))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -426,7 +463,7 @@ def run_fabric(strategy: Any, cfg: LlamaConfig, data: list[Batch], args: argpars
         return loss.detach()
 
     timing = measure(step, data, args)
-    timing.setup_s = setup
+    timing.setup_s = setup[0]
     return timing
 
 
@@ -480,7 +517,6 @@ def run_torch(
     (:func:`float8_by_hand`).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     aten = torch.ops.aten
     names = ["mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention"]
@@ -494,8 +530,40 @@ def run_torch(
     context_fn = partial(create_selective_checkpoint_contexts, policy) if args.ac == "selective" else None
     mesh = init_device_mesh(DEVICE.type, (1,))
     torch.manual_seed(0)
-    sync()
-    start = time.perf_counter()  # set-up: the meta-device model until it is sharded and materialized
+    with setup_timer(args) as setup:  # the meta-device model until it is sharded and materialized
+        model, precompute = build_by_hand(cfg, args, mesh, context_fn, as_partial=as_partial, float8=float8)
+    if args.setup_only:
+        return Timing(setup_s=setup[0], warmup_s=0.0, step_s=[], losses=[])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=_fused())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if precompute is not None:  # torchao's rule under the float8 all-gather: the new weights' scales, at once
+            precompute(model)
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    timing = measure(step, data, args)
+    timing.setup_s = setup[0]
+    return timing
+
+
+def build_by_hand(
+    cfg: LlamaConfig,
+    args: argparse.Namespace,
+    mesh: Any,
+    context_fn: Callable[[], Any] | None,
+    *,
+    as_partial: bool,
+    float8: str | None,
+) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], None] | None]:
+    """The ``torch`` variant's set-up: the model on the meta device, float8 (``float8``), checkpointing, compile per
+    block, ``fully_shard`` bottom-up, then allocated and initialized by its own ``reset_parameters``; with the float8
+    scales' precompute, or ``None``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     with torch.device("meta"):
         model = Llama(cfg)
     precompute = float8_by_hand(model, float8) if float8 is not None else None
@@ -519,22 +587,7 @@ def run_torch(
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
-    sync()
-    setup = time.perf_counter() - start
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=_fused())
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        if precompute is not None:  # torchao's rule under the float8 all-gather: the new weights' scales, at once
-            precompute(model)
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    timing = measure(step, data, args)
-    timing.setup_s = setup
-    return timing
+    return model, precompute
 
 
 def float8_by_hand(model: torch.nn.Module, setting: str) -> Callable[[torch.nn.Module], None] | None:
@@ -662,21 +715,24 @@ def run_worker(args: argparse.Namespace) -> None:
         result.oom = str(err).splitlines()[0][:300]
         print(f"{name}: out of memory at batch {args.batch} x {args.seq} ({result.oom})", flush=True)
     else:
-        result.step_s, result.losses = timing.step_s, timing.losses
-        result.tokens_per_s = args.batch * args.seq / statistics.median(timing.step_s)
         result.setup_s, result.warmup_s = timing.setup_s, timing.warmup_s
-        result.compiled_graphs = compiled_graphs()
-        result.profile_ms = timing.profile_ms
+        compiler = ""
+        if result.compiler_s is not None:
+            compiler = f" (torch.compile's imports before it: {result.compiler_s:.2f} s)"
         memory = ""
         if DEVICE.type == "cuda":
             result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
             memory = f", peak {result.peak_gib:.1f} GiB"
-        compiler = ""
-        if result.compiler_s is not None:
-            compiler = f" (torch.compile's imports before it: {result.compiler_s:.2f} s)"
-        print(
-            f"{name}: {result.tokens_per_s:.0f} tokens/s{memory}, set-up {timing.setup_s:.2f} s{compiler},"
-            f" first {args.warmup} steps {timing.warmup_s:.1f} s, compiled graphs {result.compiled_graphs}",
-            flush=True,
-        )
+        if args.setup_only:
+            print(f"{name}: set-up {timing.setup_s:.2f} s{compiler}{memory} (--setup-only: no steps)", flush=True)
+        else:
+            result.step_s, result.losses = timing.step_s, timing.losses
+            result.tokens_per_s = args.batch * args.seq / statistics.median(timing.step_s)
+            result.compiled_graphs = compiled_graphs()
+            result.profile_ms = timing.profile_ms
+            print(
+                f"{name}: {result.tokens_per_s:.0f} tokens/s{memory}, set-up {timing.setup_s:.2f} s{compiler},"
+                f" first {args.warmup} steps {timing.warmup_s:.1f} s, compiled graphs {result.compiled_graphs}",
+                flush=True,
+            )
     print(RESULT_PREFIX + json.dumps(asdict(result)), flush=True)

@@ -62,6 +62,11 @@ default turns on only where FSDP2 shards over several ranks: beside ``tensorwise
 bf16 and cast inside the compiled blocks), what the float8 all-gather's eager casts cost. ``tensorwise-bf16gather``
 forces it off (on one GPU, the default's own choice since 2026-11-28).
 
+``--setup-only`` times the set-up alone (no steps: several rounds of it in the minutes one training run takes)
+and reports each variant's set-up, median and min-max, beside torch.compile's imports and the start-up;
+``--profile-setup N`` runs each set-up under cProfile and prints its N longest functions (docs/gpu.md, "Set-up on a
+GPU").
+
 ``--by-hand`` (with ``--float8``) also runs each setting by hand, ``torch-float8-<setting>``: the ``torch`` variant
 converted with torchao's API as its documentation and torchtitan do it, no modelpar. Each float8 variant is measured
 against its own bf16 (``float8-*`` against ``modelpar``, ``torch-float8-*`` against ``torch``), and the summary sets
@@ -205,6 +210,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="STEPS",
         help="after the timed steps, this many more under torch.profiler: device time per step by kernel kind",
     )
+    p.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="time the set-up alone (no steps): many runs for the set-up ratio in the time one training run takes",
+    )
+    p.add_argument(
+        "--profile-setup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run each set-up under cProfile and print its N longest functions (its seconds then mean nothing)",
+    )
     p.add_argument("--sweep", action="store_true", help="modelpar over --sweep-seqs x --sweep-tokens instead")
     p.add_argument("--sweep-seqs", default="2048,8192", help="sequence lengths of the sweep")
     p.add_argument("--sweep-tokens", default="8192,16384,32768", help="tokens per step (batch = tokens / seq)")
@@ -217,6 +234,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--float8 {args.float8!r}: unknown {wrong}; choose from {', '.join(FLOAT8_SETTINGS)} (a comma list)")
     if args.float8 is not None and args.sweep:
         p.error("--sweep runs modelpar alone over sizes; --float8 compares variants at one size: use one of them")
+    if args.setup_only and (args.float8 is not None or args.sweep or args.profile):
+        p.error("--setup-only times the set-up alone: --float8, --sweep and --profile need the training steps")
+    if args.profile_setup < 0:
+        p.error(f"--profile-setup {args.profile_setup}: give how many functions to print, e.g. 25")
     if args.by_hand and args.float8 is None:
         p.error("--by-hand runs --float8's settings by hand: give them, e.g. --float8 tensorwise --by-hand")
     if args.roofline is not None:
@@ -417,7 +438,9 @@ def compare(args: argparse.Namespace) -> int:
             runs[variant].append(result)
     elapsed = time.perf_counter() - start
     runs = {v: rs for v, rs in runs.items() if rs and v not in failed}
-    if runs:
+    if runs and args.setup_only:
+        report_setup(args, runs, elapsed)
+    elif runs:
         report(args, runs, elapsed)
         if float8 and refusal is None:
             report_float8(args, runs)
@@ -476,7 +499,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
         print("\n" + "; ".join(ratios) + " (median tokens/s)")
     setups = {v: statistics.median(r.setup_s or 0.0 for r in rs) for v, rs in runs.items()}
     if setups.get("modelpar") and setups.get("lightning"):
-        print(setup_line(runs, setups))
+        print(setup_line(runs, setups) + (PROFILED_SETUP if args.profile_setup else ""))
     eager = [v for v, rs in runs.items() if not args.no_compile and any(r.compiled_graphs == 0 for r in rs)]
     if eager:
         print(f"compile was on, but {', '.join(eager)} compiled no graph: it ran eagerly")
@@ -492,6 +515,43 @@ def report(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: 
         report_profile_roofline(args, runs)
     except Exception as error:  # the float8 summary printed after it matters more: print it all the same
         print(f"(profile against the roofline not computed: {type(error).__name__}: {error})")
+
+
+#: Under ``--profile-setup``, after the set-up lines: cProfile slowed every set-up, so the figures compare nothing.
+PROFILED_SETUP = "\n  (--profile-setup: every set-up ran under cProfile, which slows it: its seconds measure nothing)"
+
+
+def report_setup(args: argparse.Namespace, runs: dict[str, list[RunResult]], elapsed: float) -> None:
+    """``--setup-only``: each variant's set-up (median, min-max over its runs), torch.compile's imports made before
+    it, and the runs' start-up, then the set-up ratios (:func:`setup_line`). A run that only sets up takes the
+    start-up, the imports and the set-up (about 13 s on an H200 by 2026-11-28's phases, against about 30 s with its
+    steps), so issue 25's ratio gets its spread from several rounds within a lent GPU's minutes."""
+    first = next(iter(runs.values()))[0]
+    count = min(len(rs) for rs in runs.values())
+    compile_text = "off" if args.no_compile else "on, the blocks wrapped (compiled at their first step, not here)"
+    print(
+        f"\n{first.device}, torch {first.torch_version}, {matmul_params(config(args)) / 1e9:.2f}B matmul parameters,"
+        f" set-up only (the meta-device model until it is sharded and materialized, synchronized); compile"
+        f" {compile_text}; AC {args.ac}; every run in its own process, {count} per variant in rotating order\n"
+    )
+    print("| variant | set-up s (median) | set-up min-max | torch.compile's imports s | start-up s | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for variant, results in runs.items():
+        setup = [r.setup_s or 0.0 for r in results]
+        imports = [r.compiler_s for r in results if r.compiler_s is not None]
+        startup = [r.startup_s for r in results if r.startup_s is not None]
+        peaks = [r.peak_gib for r in results if r.peak_gib is not None]
+        print(
+            f"| {variant} | {statistics.median(setup):.2f} | {min(setup):.2f}-{max(setup):.2f}"
+            f" | {f'{statistics.median(imports):.2f}' if imports else '-'}"
+            f" | {f'{statistics.median(startup):.1f}' if startup else '-'} | {gib(max(peaks) if peaks else None)} |"
+        )
+    setups = {v: statistics.median(r.setup_s or 0.0 for r in rs) for v, rs in runs.items()}
+    if setups.get("modelpar") and setups.get("lightning"):
+        print("\n" + setup_line(runs, setups) + (PROFILED_SETUP if args.profile_setup else ""))
+    elif args.profile_setup:
+        print(PROFILED_SETUP)
+    print(f"{sum(map(len, runs.values()))} runs in {elapsed:.0f} s.")
 
 
 def setup_line(runs: dict[str, list[RunResult]], setups: dict[str, float]) -> str:

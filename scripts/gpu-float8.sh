@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Issue 29 on a GPU, after scripts/gpu-check.sh: where float8's gain goes. On an H200 (2026-11-28) float8 tensorwise
-# trained at 1.12x bf16's tokens/s on the 1.07B model (the goal: 1.2x; roofline about 1.25x) and 1.22x at dim 4096;
-# its multiplies ran at their roofline and its casts at 2-2.5x theirs. These steps say where the rest goes.
+# Issue 29 on a GPU, after scripts/gpu-check.sh: where float8's gain goes (and, in `setup`, issue 25's set-up
+# ratio). On an H200 (2026-11-28) float8 tensorwise trained at 1.12x bf16's tokens/s on the 1.07B model (the goal:
+# 1.2x; roofline about 1.25x) and 1.22x at dim 4096; its multiplies ran at their roofline and its casts at 2-2.5x
+# theirs. These steps say where the rest goes.
 # Each starts only if its estimate (H200 figures) fits in what is left of FLOAT8_BUDGET seconds (default 540: a lent
 # machine's 10-minute call less a margin), in this order, the one that answers most first:
 #   profile-1b  bench_mfu.py --profile 3 on the 1.07B model (AC selective, as gpu-check.sh runs it): modelpar in bf16
 #            and in float8 tensorwise, each kernel kind's milliseconds (the casts: Triton and copies), 2 runs, ~90 s
-#   repeats  the goal's figure with its spread: tensorwise against bf16 on the 1.07B model, 3 rounds with Lightning
-#            beside them (issue 25's set-up ratio: 0.86x on 2026-11-27, 1.70x in one run of 2026-11-28 whose other
-#            modelpar runs gave 1.02-1.09x; timed since after torch.compile's imports, reported beside it), then
-#            at dim 4096 (AC none), 2 rounds: whether 2026-11-28's one-run ratios and the 2.29% loss gap at
-#            dim 4096 hold (13 runs, ~420 s)
+#   setup    issue 25's set-up ratio on a GPU (0.86x on 2026-11-27; 1.70x in one run of 2026-11-28 whose other
+#            modelpar runs gave 1.02-1.09x): bench_mfu.py --setup-only, modelpar and Lightning, 4 rounds of the
+#            set-up alone (timed after torch.compile's imports, which are reported beside it), then one round under
+#            cProfile (--profile-setup 25: where each one's seconds go), 10 runs of ~13 s, ~140 s
+#   repeats  the goal's figure with its spread: tensorwise against bf16 on the 1.07B model in 3 rounds, then at
+#            dim 4096 (AC none) in 2: whether 2026-11-28's one-run ratios and the 2.29% loss gap at dim 4096
+#            hold (10 runs, ~330 s)
 #   gemm     the float8 multiplies alone (bench_float8_gemm.py; torch only) at the dim-4096 model's shapes, then at
 #            the 1.07B model's (~20 s each): do the kernels reach float8's rate on this stack?
 #   profile  bench_mfu.py --profile 3 at dim 4096 (Llama 3 8B's layer shapes, 4 layers, AC none): modelpar and
@@ -23,8 +26,7 @@
 #   rowwise  the same profile for the rowwise recipe (2 runs, ~150 s).
 # gemm, profile and rowwise ran on 2026-11-28 (benchmarks/gpu-runs/2026-11-28-h200/). Name steps to run only those
 # (`bash scripts/gpu-float8.sh profile rowwise`); the default runs every step, in the order above, as the budget
-# allows. Each
-# step's output is written to $GPU_CHECK_OUT/float8/ (default gpu-check-results/float8/) as it runs, so that a call
+# allows. Each step's output is written to $GPU_CHECK_OUT/float8/ (default gpu-check-results/float8/) as it runs, so that a call
 # stopped at its limit still returns what ran; the last lines say which steps ran, with their seconds, and which
 # were left out and why. torchao comes from PYTHON's environment or PYTHONPATH, as for gpu-check.sh (docs/gpu.md
 # says how to carry its wheel to a machine without a package index). FLOAT8_SMOKE=1 runs the same steps on a tiny
@@ -63,8 +65,8 @@ if ! why=$("$PYTHON" -c "import torchao.float8" 2>&1); then
 fi
 
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(profile-1b repeats gemm profile rowwise)
-declare -A estimate=([profile-1b]=90 [repeats]=420 [gemm]=45 [profile]=330 [rowwise]=150)
+[ ${#steps[@]} -gt 0 ] || steps=(profile-1b setup repeats gemm profile rowwise)
+declare -A estimate=([profile-1b]=90 [setup]=140 [repeats]=330 [gemm]=45 [profile]=330 [rowwise]=150)
 for step in "${steps[@]}"; do
   [ -n "${estimate[$step]+x}" ] || {
     echo "gpu-float8: unknown step '$step': choose from profile-1b, repeats, gemm, profile, rowwise" >&2
@@ -86,9 +88,16 @@ for step in "${steps[@]}"; do
     profile-1b)
       "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --repeats 1 --profile 3 --variants modelpar \
         --float8 tensorwise ${quick[@]+"${quick[@]}"} 2>&1 | tee "$OUT/profile-1b.txt" ;;
+    setup)
+      # the set-up alone in 4 rounds, then one round under cProfile; the step fails if either did
+      ( "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --setup-only --repeats 4 \
+          --variants modelpar,lightning ${quick[@]+"${quick[@]}"}; first=$?
+        "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --setup-only --repeats 1 --profile-setup 25 \
+          --variants modelpar,lightning ${quick[@]+"${quick[@]}"} && exit "$first"
+      ) 2>&1 | tee "$OUT/setup.txt" ;;
     repeats)
       # both models, the second whatever the first gave; the step fails if either did
-      ( "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --repeats 3 --variants modelpar,lightning \
+      ( "$PYTHON" benchmarks/bench_mfu.py ${default[@]+"${default[@]}"} --repeats 3 --variants modelpar \
           --float8 tensorwise ${quick[@]+"${quick[@]}"}; first=$?
         "$PYTHON" benchmarks/bench_mfu.py "${wide[@]}" --ac none --repeats 2 --variants modelpar --float8 tensorwise \
           ${quick[@]+"${quick[@]}"} && exit "$first"

@@ -774,6 +774,52 @@ def test_the_benchmark_says_where_each_runs_time_went(
     )
 
 
+def test_the_benchmark_times_the_set_up_alone_and_profiles_it_on_request(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--setup-only`` (many set-ups in the minutes a lent GPU gives) reports each variant's set-up with its spread,
+    the imports and the start-up, and the ratios; ``--profile-setup N`` prints the set-up's N longest functions and
+    marks its seconds as no measurement; options that need the training steps are refused by name."""
+    monkeypatch.syspath_prepend(str(_HERE.parent.parent / "benchmarks"))
+    import bench_mfu
+    from _mfu_variants import RunResult, setup_timer
+
+    model = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256"]
+    args = bench_mfu.parse(["--setup-only", "--variants", "modelpar,lightning", *model])
+
+    def run(variant: str, setup: float) -> RunResult:
+        result = RunResult(variant, 4, 2048, "NVIDIA H200", "2.11.0+cu130", 989.4)
+        result.setup_s, result.compiler_s, result.startup_s, result.peak_gib = setup, 1.5, 6.5, 4.1
+        return result
+
+    runs = {"modelpar": [run("modelpar", 0.6), run("modelpar", 0.5)], "lightning": [run("lightning", 0.5)] * 2}
+    bench_mfu.report_setup(args, runs, 27.4)
+    printed = capsys.readouterr().out.splitlines()
+    assert "| modelpar | 0.55 | 0.50-0.60 | 1.50 | 6.5 | 4.1 |" in printed, printed
+    assert "| lightning | 0.50 | 0.50-0.50 | 1.50 | 6.5 | 4.1 |" in printed, printed
+    assert any(line.startswith("set-up (meta model") and "modelpar / Lightning: 1.10x" in line for line in printed)
+    assert printed[-1] == "4 runs in 27 s.", printed
+    profiled = bench_mfu.parse(["--setup-only", "--profile-setup", "5", *model])
+    bench_mfu.report_setup(profiled, runs, 27.4)
+    assert bench_mfu.PROFILED_SETUP.strip() in capsys.readouterr().out
+
+    with setup_timer(profiled) as seconds:  # the profile of a block, printed after it
+        torch.nn.Linear(64, 64).reset_parameters()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(seconds) == 1 and seconds[0] > 0, seconds
+    assert lines[0].startswith("set-up profile (cProfile; the 5 longest") and len(lines) == 6, lines
+    assert any("torch/nn/modules/linear.py" in line and "(reset_parameters)" in line for line in lines), lines
+
+    for wrong, why in (
+        (["--setup-only", "--float8", "tensorwise"], "--setup-only times the set-up alone"),
+        (["--setup-only", "--profile", "2"], "--setup-only times the set-up alone"),
+        (["--profile-setup", "-1"], "--profile-setup -1: give how many functions to print"),
+    ):
+        with pytest.raises(SystemExit):
+            bench_mfu.parse([*wrong, *model])
+        assert why in capsys.readouterr().err, wrong
+
+
 def test_the_benchmarks_set_up_ratio_leaves_torch_compiles_imports_out_and_shows_each_variants_spread(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
