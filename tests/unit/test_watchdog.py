@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from harness import process_context
 from modelpar import ModelParallelStrategy
+from modelpar._mesh.peers import StoreCall
 from modelpar._mesh.watchdog import (
     DEFAULT_PEER_TIMEOUT,
     PEER_LOST_EXIT_CODE,
@@ -141,6 +142,35 @@ def test_a_peer_that_stopped_normally_is_not_taken_for_dead():
     time.sleep(4 * TIMEOUT)
     assert exits.codes == [] and a.running  # it stopped judging, and beats on for whoever watches it
     a.stop()
+
+
+def test_draining_the_requests_in_flight_while_another_thread_makes_new_ones_never_raises():
+    # `stop` drains every store request in flight while other threads may be making new ones (a second watchdog in
+    # the process, as in the test above, or its own thread after a join that timed out). A request used to be
+    # listed before its thread started, and `Thread.join` refuses a thread not yet started: here a third of the
+    # drains raised RuntimeError (found by the whole suite on torch 2.12, 2026-11-28, where timing made it hit).
+    done = threading.Event()
+
+    def make_requests():
+        while not done.is_set():
+            StoreCall(lambda: None)
+
+    makers = [threading.Thread(target=make_requests) for _ in range(2)]
+    for maker in makers:
+        maker.start()
+    errors, drains, deadline = [], 0, time.monotonic() + 0.3
+    try:
+        while time.monotonic() < deadline:
+            try:
+                StoreCall.drain(1.0)
+            except RuntimeError as error:
+                errors.append(error)
+            drains += 1
+    finally:
+        done.set()
+        for maker in makers:
+            maker.join()
+    assert drains > 10 and errors == [], f"{len(errors)} of {drains} drains raised: {errors[:1]}"
 
 
 def test_a_watchdog_stops_by_itself_and_marks_its_rank_finished_when_the_process_group_is_gone():
