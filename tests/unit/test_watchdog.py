@@ -138,10 +138,13 @@ def test_a_peer_that_never_beats_ends_its_watcher_and_the_verdict_reaches_the_ot
 def test_a_peer_that_stopped_normally_is_not_taken_for_dead():
     store, exits = dist.HashStore(), Exits()
     a, b = watchdog(store, 0, 2, exits).start(), watchdog(store, 1, 2, exits).start()
-    b.stop()  # rank 1's job is done; rank 0 finishes a little later
-    time.sleep(4 * TIMEOUT)
-    assert exits.codes == [] and a.running  # it stopped judging, and beats on for whoever watches it
-    a.stop()
+    try:
+        b.stop()  # rank 1's job is done; rank 0 finishes a little later
+        time.sleep(4 * TIMEOUT)
+        assert exits.codes == [] and a.running  # it stopped judging, and beats on for whoever watches it
+    finally:  # a failure here must not leave threads that fail the later tests' thread counts
+        a.stop()
+        b.stop()
 
 
 def test_draining_the_requests_in_flight_while_another_thread_makes_new_ones_never_raises():
