@@ -113,6 +113,41 @@ def test_signals_to_the_launched_pid_reach_the_program_and_its_killer_kills_it(p
         assert not _alive(program)
 
 
+def test_a_launcher_killed_before_reading_the_programs_pid_takes_the_program_with_it(program_python, tmp_path):
+    # Under load a launcher can die after its program started but before it read the "pid" line the server sent
+    # it. Its socket then closes with that line unread, and the server's monitor gets a reset instead of an end of
+    # file: it must kill the program all the same (until 2026-11-28 the monitor ended there and the program ran
+    # on). This is the client's protocol by hand, so that the line is certainly unread when the socket closes.
+    import json
+    import socket
+
+    if program_python == sys.executable:
+        pytest.skip("no warm interpreter here (a CUDA machine, or one it cannot start on): nothing to kill with it")
+    (tmp_path / "waits.py").write_text(
+        'import os, time\nopen("pid", "w").write(str(os.getpid()))\nprint("ready", flush=True)\ntime.sleep(60)\n'
+    )
+    env = _env(**{k: v for k, v in os.environ.items() if k.startswith("MODELPAR_WARM_")})
+    request = {"options": [], "target": ["waits.py"], "args": [], "env": env, "cwd": str(tmp_path)}
+    payload = json.dumps({**request, "executable": program_python}).encode()
+    out_r, out_w = os.pipe()
+    with open(os.devnull, "rb") as stdin, open(os.devnull, "wb") as stderr:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(os.environ["MODELPAR_WARM_SOCKET"].split(os.pathsep)[0])
+        socket.send_fds(conn, [len(payload).to_bytes(8, "little")], [stdin.fileno(), out_w, stderr.fileno()])
+        conn.sendall(payload)
+    os.close(out_w)
+    with os.fdopen(out_r) as out:
+        assert out.readline() == "ready\n"  # the program runs: the server has sent its pid, which stays unread
+    program = int((tmp_path / "pid").read_text())
+    conn.close()  # as the kernel closes a killed launcher's socket
+    deadline = time.monotonic() + 10
+    while _alive(program) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(program):
+        os.kill(program, signal.SIGKILL)
+        pytest.fail(f"the program (pid {program}) outlived its launcher's connection by 10 s")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

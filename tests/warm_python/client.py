@@ -6,8 +6,9 @@ interpreter with ``-I -S`` (nothing imported but the standard library's few modu
 milliseconds). It takes the forms launchers use: ``python [-u] [-W ARG] script.py ARGS`` and
 ``python [-u] [-W ARG] -m module ARGS``; anything else (``-c``, other options, a descriptor to pass on beyond the
 three standard streams) runs the real interpreter. The program's pid is the fork's, not this process's: signals
-sent here (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) are passed on, and this process ends as the program ended
-(its exit code, or killed by the same signal). If this process is killed, the server kills the program.
+sent here (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) are passed on, also those that come before this process
+knows the pid, and this process ends as the program ended (its exit code, or killed by the same signal). If this
+process is killed, the server kills the program.
 ``LOCAL_RANK``'s parity picks the server (each has its own hash seed).
 """
 
@@ -26,6 +27,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 def fresh(why: str = "") -> None:
     if why and os.environ.get("MODELPAR_WARM_VERBOSE"):
         print(f"warm_python: fresh interpreter ({why})", file=sys.stderr, flush=True)
+    # The signal mask survives exec, and Python would never unblock it: a signal held since the request (see
+    # main) takes its default action here, as it would have before the interpreter was ready.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.execv(REAL, [REAL, *sys.argv[1:]])
 
 
@@ -69,6 +73,9 @@ def main() -> None:
     request = {"options": options, "target": target, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
     request["executable"] = executable
     payload = json.dumps(request).encode()
+    # Held from the request until they can be passed on: the program may run (and its launcher signal this
+    # process) before the server's pid line is read here, and a signal then would end this process, not the program.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(sock)
@@ -90,6 +97,7 @@ def main() -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # what came meanwhile is delivered now, and passed on
     last = reader.readline().decode().split()
     if not last:  # the server's monitor is gone: nothing to report
         os._exit(70)

@@ -196,10 +196,19 @@ def _monitor(conn: socket.socket, program: int) -> None:
             with contextlib.suppress(OSError):
                 conn.sendall(f"status {status}\n".encode())
             return
-        if conn in ready and not conn.recv(1024):  # the client is gone
+        if conn in ready and _gone(conn):
             os.kill(program, signal.SIGKILL)
             os.waitpid(program, 0)
             return
+
+
+def _gone(conn: socket.socket) -> bool:
+    """Whether the client closed its end. A client killed before it read the pid line closes it with that line
+    unread, and the kernel then reports a reset (ECONNRESET) rather than an end of file: gone all the same."""
+    try:
+        return not conn.recv(1024)
+    except OSError:
+        return True
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
