@@ -51,12 +51,12 @@ class StoreCall:
         self.error: BaseException | None = None
         self.finished = 0.0  # monotonic time of the answer
         self._thread = _RequestThread(self._run, fn)
-        # Registered and started under one lock: `drain` (another thread's `stop`) must never see a thread that
-        # has not started, which `join` refuses (RuntimeError). `start` only waits for the thread to begin, and
-        # `_run` takes the lock after its request, so holding it here cannot deadlock.
+        # Started, then registered, under one lock: `drain` (another thread's `stop`) must never see a thread that
+        # has not started, which `join` refuses (RuntimeError), nor one whose start failed. `start` only waits for
+        # the thread to begin, and `_run` takes the lock after its request, so holding it here cannot deadlock.
         with StoreCall._lock:
-            StoreCall._live.add(self)
             self._thread.start()
+            StoreCall._live.add(self)
 
     def _run(self, fn: Callable[[], Any]) -> None:
         try:
