@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
+from warm_python.frozen import freeze
+
 __all__ = [
     "CALIBRATION_MODELS",
     "calibration_model",
@@ -43,15 +45,15 @@ _frozen = False
 def collect_garbage() -> None:
     """Collect the cyclic garbage now, so that none is freed inside a measured step.
 
-    The first call in a process also freezes what survives it (``gc.freeze()``): the ~400,000 objects of the libraries
-    imported by then, which every full collection would otherwise walk again (0.35-0.45 s a collection on 2 cores,
-    two thirds of a measurement). Later calls walk only what was made since. An object frozen then that later becomes
+    The first call in a process also freezes what survives it (``gc.freeze()``, through ``warm_python.frozen``, which
+    keeps the exit quiet): the ~400,000 objects of the libraries imported by then, which every full collection would
+    otherwise walk again (0.35-0.45 s a collection on 2 cores, two thirds of a measurement). Later calls walk only what was made since. An object frozen then that later becomes
     garbage in a cycle stays in memory until the process ends; its free cannot lower a measurement either.
     """
     global _frozen
     gc.collect()
     if not _frozen:
-        gc.freeze()
+        freeze()
         _frozen = True
 
 
