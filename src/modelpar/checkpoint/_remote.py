@@ -21,6 +21,7 @@ only once complete (a killed multipart upload never appears), so it needs no mar
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -29,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, BinaryIO
 
 import torch
@@ -43,6 +45,7 @@ __all__ = [
     "commit_prefix",
     "dcp_reader_storage",
     "dcp_writer",
+    "fsspec_storage",
     "local_copy",
     "prefix_state",
     "prepare_prefix",
@@ -192,18 +195,31 @@ def dcp_writer(target: RemotePath) -> Any:
     ``sync_files=False``: closing an object completes its upload, which is what makes it durable; with
     ``True`` DCP would fall back to ``os.sync()`` (flushing the whole local machine) for every shard.
     """
-    # DCP's own choice for URL checkpoint ids (``_storage_utils``); the module is private, its classes are not.
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(target.url, sync_files=False, overwrite=True, **target.storage_options)
+    # DCP's own choice for URL checkpoint ids (``_storage_utils``).
+    return fsspec_storage().FsspecWriter(target.url, sync_files=False, overwrite=True, **target.storage_options)
 
 
 def dcp_reader_storage(target: RemotePath) -> tuple[Any, Any]:
-    """(DCP's fsspec file-system adapter, the path it reads) for a reader of ``target``."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+    """(DCP's fsspec file-system adapter, the path it reads) for a reader of ``target``: what ``FsspecReader``
+    reads through (its adapter class is private in every release)."""
+    reader = fsspec_storage().FsspecReader(target.url, **target.storage_options)
+    return reader.fs, reader.path
 
-    fs = FileSystem()
-    return fs, fs.init_path(target.url, **target.storage_options)
+
+def fsspec_storage() -> ModuleType:
+    """DCP's fsspec storage module, whose ``FsspecWriter`` and ``FsspecReader`` are public.
+
+    torch 2.15 made the module public (``torch.distributed.checkpoint.fsspec_filesystem``) and turned the private
+    ``_fsspec_filesystem`` into an alias that warns, on import, that it will be removed; torch 2.11 to 2.14 have
+    only the private one. The public module where it exists, then, and the private one only where nothing else is.
+    """
+    public = "torch.distributed.checkpoint.fsspec_filesystem"
+    try:
+        return importlib.import_module(public)
+    except ModuleNotFoundError as err:
+        if err.name != public:  # fsspec itself missing: the private module would raise the same
+            raise
+        return importlib.import_module("torch.distributed.checkpoint._fsspec_filesystem")
 
 
 def _marker(token: str) -> bytes:
