@@ -47,8 +47,9 @@ def collect_garbage() -> None:
 
     The first call in a process also freezes what survives it (``gc.freeze()``, through ``warm_python.frozen``, which
     keeps the exit quiet): the ~400,000 objects of the libraries imported by then, which every full collection would
-    otherwise walk again (0.35-0.45 s a collection on 2 cores, two thirds of a measurement). Later calls walk only what was made since. An object frozen then that later becomes
-    garbage in a cycle stays in memory until the process ends; its free cannot lower a measurement either.
+    otherwise walk again (0.35-0.45 s a collection on 2 cores, two thirds of a measurement). Later calls walk only
+    what was made since. An object frozen then that later becomes garbage in a cycle stays in memory until the
+    process ends; its free cannot lower a measurement either.
     """
     global _frozen
     gc.collect()

@@ -8,7 +8,7 @@ are still alive and prints each one as a "leak" (triton 3.9, which torch 2.15's 
 lines: 4 instances, 64 types, 514 functions). A fresh interpreter frees them in its last collection and prints
 nothing. So where nanobind's objects are among the frozen ones, :func:`freeze` unfreezes again at exit, after the
 program's own ``atexit`` handlers: 1.3 s more for that exit (measured on 2 cores; the whole suite on torch 2.15.0's
-CUDA build took 516 s against 386 s without it, on the same 2 cores), and nothing where no nanobind extension is
+CUDA build took 504-516 s against 386 s without it, on the same 2 cores), and nothing where no nanobind extension is
 loaded (torch's CPU builds, CI's; its CUDA builds up to 2.14.1, whose triton 3.8 uses pybind11). The alternatives
 cost more or lose what a program prints: not freezing makes a program's first full collection walk the imports
 (2.2 s), and silencing the C library's ``stderr`` at exit would also drop what the interpreter prints as it ends.
