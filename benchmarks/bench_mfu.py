@@ -607,16 +607,21 @@ def loss_curve(results: list[RunResult], warmup: int) -> list[float]:
     return [statistics.median(step) for step in zip(*curves, strict=True)] if curves else []
 
 
-def largest_relative_difference(curve: list[float], baseline: list[float]) -> float:
-    """max over steps of ``|curve - baseline| / |baseline|``; ``inf`` where a loss is not finite or missing."""
+def largest_relative_difference(curve: list[float], baseline: list[float]) -> tuple[float, int | None]:
+    """max over steps of ``|curve - baseline| / |baseline|`` and the step (an index into the curves) where it is.
+
+    ``inf`` where a loss is not finite or missing, at the first such step (``None``: a curve missing or shorter);
+    the step is ``None`` too where the curves agree at every step. Where it is tells a spike from a drift.
+    """
     if not curve or len(curve) != len(baseline):
-        return math.inf
-    worst = 0.0
-    for got, want in zip(curve, baseline, strict=True):
+        return math.inf, None
+    worst, at = 0.0, None
+    for step, (got, want) in enumerate(zip(curve, baseline, strict=True)):
         if not (math.isfinite(got) and math.isfinite(want)) or want == 0:
-            return math.inf
-        worst = max(worst, abs(got - want) / abs(want))
-    return worst
+            return math.inf, step
+        if abs(got - want) / abs(want) > worst:
+            worst, at = abs(got - want) / abs(want), step
+    return worst, at
 
 
 def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> None:
@@ -624,7 +629,8 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     each): each bf16 baseline, then each float8 setting against it (``bf16_baseline``: modelpar's against modelpar
     in bf16, ``--by-hand``'s against torch in bf16): tokens/s and their ratio with issue 29's goal, peak memory, the
     roofline, then the loss over the timed steps and its largest relative difference from bf16's, against
-    ``--loss-rtol``; last, with ``--by-hand``, modelpar's float8 against the same setting by hand."""
+    ``--loss-rtol``, with the step where it is; with ``--by-hand``, modelpar's float8 against the same setting by
+    hand. Last, outside the summary, every variant's loss curve in full."""
     float8 = {v: setting for v in runs if (setting := float8_setting(v)) is not None}  # variant -> its setting
     if not float8:
         return
@@ -645,7 +651,7 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
         base_curve = loss_curve(bf16, args.warmup)
         noise = ""
         if len(bf16) > 1:
-            spread = max(largest_relative_difference(loss_curve([r], args.warmup), base_curve) for r in bf16)
+            spread = max(largest_relative_difference(loss_curve([r], args.warmup), base_curve)[0] for r in bf16)
             noise = f" (run to run within {spread:.2%})" if math.isfinite(spread) else ""
         print(f"[summary]   {baseline} bf16: {_speed(bf16)}; loss {_ends(base_curve)}{noise}")
         for variant, setting in float8.items():
@@ -657,6 +663,25 @@ def report_float8(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     by_hand = [f"{s} {tps[v] / tps[twin]:.3f}x" for s, v, twin in twins if tps.get(twin)]
     if by_hand:
         print(f"[summary]   modelpar's float8 / the same by hand (tokens/s): {', '.join(by_hand)}")
+    grouped = [v for b in baselines for v in (b, *(f for f in float8 if bf16_baseline(f) == b))]
+    print_loss_curves(args, {v: runs[v] for v in dict.fromkeys([*grouped, *float8])})
+
+
+def print_loss_curves(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> None:
+    """Each variant's loss at every timed step (the per-step median of its runs), one ``[loss]`` line each, in the
+    order given.
+
+    The summary gives one figure per curve, the largest gap; the curves beside it tell a single step's spike from
+    a drift, and a run's log keeps them for a later look (the runs' own results are not written anywhere else).
+    The gpu-check summary leaves ``[loss]`` lines out, as it does ``[time]`` lines, to keep the table in view.
+    """
+    curves = {v: loss_curve(rs, args.warmup) for v, rs in runs.items()}
+    if not any(curves.values()):
+        return
+    width = max(map(len, curves))
+    print(f"\n[loss] at each of the {args.steps} timed steps (each variant: the per-step median of its runs)")
+    for variant, curve in curves.items():
+        print(f"[loss]   {variant:<{width}}  " + (" ".join(f"{x:.3f}" for x in curve) if curve else "not recorded"))
 
 
 def _baselines(float8: Iterable[str]) -> list[str]:
@@ -685,12 +710,15 @@ def _float8_lines(
             roof = f"roofline: not computed ({type(error).__name__}: {error})"
         print(f"[summary]     {roof}")
     curve = loss_curve(results, args.warmup)
-    worst = largest_relative_difference(curve, base_curve)
+    worst, at = largest_relative_difference(curve, base_curve)
     verdict = f"tolerance {args.loss_rtol * 100:g}%: {'within' if worst <= args.loss_rtol else 'OUTSIDE'}"
+    where = "" if at is None else f"; largest at timed step {at + 1} of {len(curve)}"
     if math.isfinite(worst):
-        print(f"[summary]     loss {_ends(curve)}, within {worst:.2%} of bf16's at every timed step ({verdict})")
+        where += "" if at is None else f": {curve[at]:.3f} against {base_curve[at]:.3f}"
+        print(f"[summary]     loss {_ends(curve)}, within {worst:.2%} of bf16's at every timed step ({verdict}){where}")
     else:
-        print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict})")
+        where = where.replace("largest", "first")
+        print(f"[summary]     loss {_ends(curve)}: a loss not finite or missing, its or bf16's ({verdict}){where}")
 
 
 def model_roofline(args: argparse.Namespace, setting: str, specs: GpuSpecs) -> Roofline:

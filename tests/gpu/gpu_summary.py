@@ -176,8 +176,9 @@ def bench_lines(bench: Path, *, marked: bool = True) -> list[str]:
 #: Lines torch, Lightning, torchao (its extensions for other GPUs) and warnings print into the benchmark's output:
 #: not its results.
 _CHATTER = re.compile(r"^\[rank\d|^Using |^You are using|^\s*warnings\.warn|Warning:|^W\d{4} |^Failed to load ")
-#: The benchmark's timing lines (each run's, and the ``[time]`` line): the summary's time part shows them.
-_TIMING = re.compile(r"^\[time\] |^  \([\w.-]+: run [\d.]+ s: ")
+#: The benchmark's timing lines (each run's, and the ``[time]`` line): the summary's time part shows them; and its
+#: float8 loss curves (``[loss]`` lines), too long for a summary: bench_mfu.txt keeps them.
+_TIMING = re.compile(r"^\[time\] |^  \([\w.-]+: run [\d.]+ s: |^\[loss\] ")
 
 
 def environment_line(environment: Path) -> list[str]:

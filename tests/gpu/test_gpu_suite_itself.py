@@ -282,10 +282,18 @@ def test_the_float8_benchmarks_summary_lines_read_the_goal_and_the_tolerance(
     assert "float8-tensorwise: 75000 tokens/s (75000-75000), peak 27.5 GiB; 1.230x bf16's tokens/s" in lines, lines
     assert "(goal at least 1.2x: met)\n[summary]     roofline (" in lines, lines  # what it could gain, next
     assert "\n[summary]     loss 9.090 -> 7.000, within 1.00% of bf16's" in lines, lines
-    assert "at every timed step (tolerance 2%: within)" in lines, lines
+    assert "at every timed step (tolerance 2%: within); largest at timed step 1 of 3: 9.090 against 9.000" in lines
     # The warm-up step's 99.0 is left out; a loss that is not finite is never within the tolerance.
     assert "float8-rowwise: 66000 tokens/s" in lines and "(goal at least 1.2x: NOT met)" in lines, lines
-    assert "loss 9.000 -> nan: a loss not finite or missing, its or bf16's (tolerance 2%: OUTSIDE)" in lines, lines
+    nan = "loss 9.000 -> nan: a loss not finite or missing, its or bf16's (tolerance 2%: OUTSIDE); first at timed step"
+    assert nan + " 3 of 3\n" in lines, lines
+    # Every curve in full after the summary, bf16's first: a spike at one step tells itself from a drift.
+    curves = printed[printed.index("[loss] at each of the 3 timed steps (each variant: the per-step median of") :]
+    assert curves.splitlines()[1:4] == [
+        "[loss]   modelpar           9.000 8.000 7.000",
+        "[loss]   float8-tensorwise  9.090 8.000 7.000",
+        "[loss]   float8-rowwise     9.000 8.000 nan",
+    ], curves
     assert "modelpar bf16: 61000 tokens/s (60000-62000), peak 30.0 GiB; loss 9.000 -> 7.000" in lines, lines
     # What each recipe can gain on this model on an H100 (the roofline's own test checks its figures).
     roof = "roofline (78% of peak, 92% of bandwidth): 112 float8 layers 1.54x, the step about 1.20x (their bf16"
@@ -295,6 +303,9 @@ def test_the_float8_benchmarks_summary_lines_read_the_goal_and_the_tolerance(
     assert len(shown) == 8 and all(
         line.startswith("  [summary]") and len(line) <= gpu_summary.WIDTH for line in shown
     ), shown
+    # The curves stay out of the summary's view of the table too (its last lines where no line is marked).
+    (tmp_path / "bench_mfu.txt").write_text("| modelpar | 61000 |\n" + printed)
+    assert gpu_summary.bench_lines(tmp_path / "bench_mfu.txt", marked=False) == ["  | modelpar | 61000 |"]
 
 
 def test_a_float8_case_skips_naming_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
