@@ -24,7 +24,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Widest line printed; longer ones end in "...". Tracebacks and full figures stay in the files beside.
+#: Widest line printed; longer ones end in "...", but the last, which says where the results are. Tracebacks and
+#: full figures stay in the files beside.
 WIDTH = 200
 #: At most this many failure lines and skip lines (the rest are counted, and are in pytest.log).
 MOST = 12
@@ -239,8 +240,9 @@ def render(out: Path, args: argparse.Namespace) -> list[str]:
     bench = f", benchmark {args.bench_seconds:.0f} s" if args.bench_exit is not None else ""
     lines.append(f"wall time: {_duration(args.wall_seconds)} (pytest {args.pytest_seconds:.0f} s{bench})")
     written = _files(out, args.bench_exit is not None)
-    lines.append(f"gpu-check: exit {args.exit}; results in {out}/ ({', '.join(written)})")
-    return [line if len(line) <= WIDTH else line[: WIDTH - 3] + "..." for line in lines]
+    fitted = [line if len(line) <= WIDTH else line[: WIDTH - 3] + "..." for line in lines]
+    # Whole however long the folder's path: a path cut short leads nowhere.
+    return [*fitted, f"gpu-check: exit {args.exit}; results in {out}/ ({', '.join(written)})"]
 
 
 #: Cases named per spawn in the time lines, slowest first.

@@ -185,6 +185,12 @@ def test_the_summary_counts_each_file_and_names_each_failure_skip_probe_and_benc
     assert "  modelpar: 65900 tokens/s\n  | variant | tokens/s |" in text and "noise" not in text, text
     assert "wall time: 2 min 20 s (pytest 85 s, benchmark 46 s)" in text, text
     assert text.splitlines()[-1].startswith("gpu-check: exit 1; results in "), text
+    # Wherever the results are, the last line names the folder and its files whole (the others fit in WIDTH).
+    deep = tmp_path / ("results-" * 30)
+    deep.mkdir()
+    last = _summary(deep)[-1]
+    assert last.startswith(f"gpu-check: exit 1; results in {deep}/ (") and last.endswith(", summary.txt)"), last
+    assert len(last) > gpu_summary.WIDTH, last
 
 
 ONE = "tests/gpu/test_gpu_one_process.py"
