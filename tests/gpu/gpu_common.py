@@ -17,7 +17,8 @@ handled, or from inside modelpar's code, and :func:`check` names a failed case's
 
 ``MODELPAR_GPU_SUITE_DEVICE=cpu`` runs the very same cases on CPU processes (gloo everywhere): a self-check of
 the suite's own code on a machine without a GPU. It is not part of CI (the CPU suite covers the behaviour);
-without CUDA and without that variable every test here is skipped.
+without CUDA and without that variable every test here is skipped but the suite's own rules
+(``test_gpu_suite_itself.py``, in the test process), which CI runs as the self-check does (``conftest.py``).
 
 Each spawn runs a grid of named cases; every case catches its own failure, so one broken case reports its
 traceback while the others still run, and the tests assert case by case.
