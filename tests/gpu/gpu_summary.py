@@ -170,16 +170,19 @@ def bench_lines(bench: Path, *, marked: bool = True) -> list[str]:
     summary = [line for line in lines if line.startswith("[summary]")]
     if marked and summary:
         return [f"  {line}" for line in summary]
-    rest = [line for line in lines if line not in summary and not _CHATTER.search(line) and not _TIMING.search(line)]
+    rest = [
+        line for line in lines if line not in summary and not any(p.search(line) for p in (_CHATTER, _TIMING, _CURVES))
+    ]
     return [f"  {line}" for line in rest][-BENCH_TAIL:]
 
 
 #: Lines torch, Lightning, torchao (its extensions for other GPUs) and warnings print into the benchmark's output:
 #: not its results.
 _CHATTER = re.compile(r"^\[rank\d|^Using |^You are using|^\s*warnings\.warn|Warning:|^W\d{4} |^Failed to load ")
-#: The benchmark's timing lines (each run's, and the ``[time]`` line): the summary's time part shows them; and its
-#: float8 loss curves (``[loss]`` lines), too long for a summary: bench_mfu.txt keeps them.
-_TIMING = re.compile(r"^\[time\] |^  \([\w.-]+: run [\d.]+ s: |^\[loss\] ")
+#: The benchmark's timing lines (each run's, and the ``[time]`` line): the summary's time part shows them.
+_TIMING = re.compile(r"^\[time\] |^  \([\w.-]+: run [\d.]+ s: ")
+#: Its float8 loss curves (``[loss]`` lines), a loss per step: too long for a summary; bench_mfu.txt keeps them.
+_CURVES = re.compile(r"^\[loss\] ")
 
 
 def environment_line(environment: Path) -> list[str]:
