@@ -18,8 +18,6 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from modelpar.checkpoint import Checkpointer, load_state
 from modelpar.checkpoint._overwrite import InPlaceFileSystem, local_writer, open_over
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
 
 @pytest.mark.parametrize("new", [b"short", b"y" * 5000], ids=["shorter", "longer"])
 def test_an_existing_file_is_written_over_in_place_and_ends_at_the_last_byte_written(tmp_path, new):

@@ -27,9 +27,6 @@ from modelpar.checkpoint._commit import (
     staging_path,
 )
 
-# save_state without a process group: DCP warns each time, and here that is intended.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
 Event = tuple[str, Any]  # ("fsync", path), ("replace", (src, dst)), ("remove", path)
 
 

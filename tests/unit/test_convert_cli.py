@@ -23,8 +23,6 @@ from modelpar.checkpoint._inspect import describe_checkpoint
 from modelpar.models import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=16)
-# save_state / load_state without a process group: DCP warns each time, and here that is intended.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def trained(seed: int = 0) -> tuple[Llama, torch.optim.AdamW]:

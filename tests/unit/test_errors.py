@@ -38,9 +38,6 @@ from modelpar import (
 )
 from modelpar.checkpoint import Checkpointer, load_state, save_state
 
-# save_state / load_state without a process group: DCP warns each time, and here that is intended.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
 HIERARCHY = [
     (MeshSizeError, (ValueError, RuntimeError)),
     (CheckpointNotFoundError, (FileNotFoundError, OSError, ValueError)),

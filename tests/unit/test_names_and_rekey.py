@@ -15,8 +15,6 @@ from modelpar.checkpoint import (
 )
 from parity import global_batches, lm_loss, reference_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled.*:UserWarning")
-
 
 def wrapped_model():
     """Block 0 under an activation-checkpoint wrapper, block 1 compiled (compilation itself is lazy)."""

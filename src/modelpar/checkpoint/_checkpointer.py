@@ -42,7 +42,7 @@ from modelpar.checkpoint._commit import (
     reuse_as_staging,
     staging_path,
 )
-from modelpar.checkpoint._dcp_read import root_cause
+from modelpar.checkpoint._dcp_read import root_cause, single_process
 from modelpar.checkpoint._format import DCP_METADATA, USER_METADATA, foreign_entries, replaceable_folder
 from modelpar.checkpoint._overwrite import local_writer, open_over
 from modelpar.checkpoint._remote import (
@@ -229,7 +229,10 @@ class Checkpointer:
                 commit(path, staged, token, shards_synced=True, discard=self._set_aside)
 
         if not self.async_save:
-            dcp.save(tensors, storage_writer=writer)  # DCP raises a failure on any rank on every rank itself
+            # Without a process group (``save_state`` in a plain script) DCP warns that it assumes one process:
+            # here that is the documented use, as in ``convert`` and every load.
+            with single_process() if not dist.is_initialized() else contextlib.nullcontext():
+                dcp.save(tensors, storage_writer=writer)  # DCP raises a failure on any rank on every rank itself
             run_agreed(what, commit_synced, here=leader)
             return
         # DCP stages (copies) the tensors with our stager before returning; only the writing goes on in the
