@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pathlib
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from modelpar._cli import main
 from modelpar.checkpoint import Checkpointer, WeightsOnlyError, load_state, save_state
 from modelpar.checkpoint._convert import convert_to_file
+from modelpar.checkpoint._dcp_read import single_process
 from modelpar.checkpoint._inspect import describe_checkpoint
 
 
@@ -81,8 +81,7 @@ def evil_bytes(tmp_path: Path, marker: Path) -> Path:
     assert optimizer_state["param_groups"][0]["foreach"] is None
     optimizer_state["param_groups"][0]["foreach"] = Touch(marker)
     folder = tmp_path / "evil_bytes"
-    with warnings.catch_warnings():  # DCP by hand in one process: its "single process" warning is expected here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process():  # DCP by hand in one process, as modelpar's own one-process paths call it
         dcp.save(
             {"model": get_model_state_dict(model), "optimizer": optimizer_state}, checkpoint_id=folder, no_dist=True
         )
