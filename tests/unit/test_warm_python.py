@@ -162,8 +162,7 @@ def _wait_or_report(proc: subprocess.Popen[str], program: int, how: str) -> None
         return
     except subprocess.TimeoutExpired:
         pass
-    fields = Path(f"/proc/{program}/stat").read_text().split(") ")[-1].split() if _alive(program) else []
-    monitor = int(fields[1]) if fields else None
+    monitor = int(_stat(program)[1]) if _alive(program) else None
     report = [_where("launcher", proc.pid), _where("program", program)]
     report += [_where("monitor", monitor)] if monitor else []
     proc.kill()
@@ -176,7 +175,7 @@ def _wait_or_report(proc: subprocess.Popen[str], program: int, how: str) -> None
 def _where(role: str, pid: int) -> str:
     """A process's state, kernel wait channel and signal masks, from ``/proc`` (what a stuck process shows)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0]
+        state = _stat(pid)[0]
         wchan = Path(f"/proc/{pid}/wchan").read_text()
         status = Path(f"/proc/{pid}/status").read_text().splitlines()
     except OSError as e:
@@ -190,7 +189,12 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+    return not _stat(pid)[0].startswith("Z")
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name: the state, the parent's pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()
 
 
 def test_warning_filters_follow_pythonwarnings_and_the_command_line(program_python, tmp_path):
